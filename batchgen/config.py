@@ -1,0 +1,57 @@
+"""EngineConfig: every engine knob in one checked dataclass.
+
+Defaults can also come from dask.config under `batchgen.*` (e.g. `batchgen.max-num-seqs`), so a
+cluster's workers are configured the Dask way; explicit keyword arguments win.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import dask.config
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    dtype: str = "float32"
+    device: str | None = None  # None: cuda when available, else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    eviction: str = "newest"
+    # Expert-level batching: attention runs in micro-batches of at most this many KV tokens
+    # (context included); the MoE stage of each layer runs once on all micro-batches combined.
+    # None: attention runs on the whole forward batch at once.
+    attention_kv_tokens: int | None = None
+    # migrate: a coroutine's KV travels when sending it beats recomputing it at this link speed
+    kv_link_bytes_per_s: int = 1_000_000_000
+    seed: int = 0  # draws the seeds of requests that set none
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_bytes", "kv_link_bytes_per_s", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("num_kv_blocks", "max_model_len", "attention_kv_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"EngineConfig.{name} must be a positive integer or None, got {value!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Keyword arguments over dask.config `batchgen.*` over defaults; unknown keys raise TypeError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(names)}")
+        merged: dict[str, Any] = {}
+        for name in names:
+            value = dask.config.get(f"batchgen.{name.replace('_', '-')}", default=None)
+            if value is not None:
+                merged[name] = value
+        merged.update(kwargs)
+        return cls(**merged)

@@ -1,0 +1,260 @@
+"""Engine: one model on one device running many sequence coroutines.
+
+    engine = Engine("path/to/model_dir", dtype="float32")
+    outs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))
+
+Lower level (the runtime's own face; the Dask layer uses it): add_request / step / stream,
+suspend / resume (coroutine state to bytes and back), stats.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Iterator, Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+from .config import EngineConfig
+from .errors import RequestError
+from .models.model import Model
+from .outputs import RequestOutput
+from .runtime.executor import Executor
+from .runtime.kv_cache import BlockAllocator
+from .runtime.policy import Scheduler, SchedulerConfig
+from .runtime.requests import check_length, check_params, prompt_to_ids
+from .runtime.sequence import SeqId, SeqStatus, Sequence
+from .runtime.stats import RuntimeStats
+from .runtime.suspend import CoroutineCodec
+from .sampler import sample
+from .sampling_params import SamplingParams, find_stop_span
+from .tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class Engine:
+    def __init__(self, model: str | Path, *, dtype: str = "float32", device: str | None = None,
+                 **config_overrides: Any) -> None:
+        self.config = EngineConfig.from_kwargs(dtype=dtype, device=device, **config_overrides)
+        path = Path(model).expanduser()
+        self.model = Model.load(path, self.config.dtype, self.config.device)
+        spec = self.model.spec
+        self.model_dir = path
+        self.tokenizer = Tokenizer.from_dir(path, list(spec.eos_token_ids))
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else list(spec.eos_token_ids)
+        self.vocab_size = spec.vocab_size
+        self.max_model_len = min(self.config.max_model_len or spec.max_position_embeddings,
+                                 spec.max_position_embeddings)
+        bs = self.config.block_size
+        num_blocks = self.config.num_kv_blocks or max(
+            1, self.config.kv_cache_bytes // (bs * self.model.kv_bytes_per_token()))
+        self.allocator = BlockAllocator(num_blocks, bs)
+        self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                                   self.config.eviction), self.allocator)  # type: ignore[arg-type]
+        self.stats = RuntimeStats()
+        self.executor = Executor(self.model, num_blocks, bs, self.stats, self.config.attention_kv_tokens)
+        self.codec = CoroutineCodec(self.model, self.config.kv_link_bytes_per_s)
+        self._seqs: dict[SeqId, Sequence] = {}
+        self._ids = itertools.count()
+        self._rng = random.Random(self.config.seed)
+        self._busy_s = 0.0
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, index: int = 0) -> SeqId:
+        """Queue one request; a bad one finishes at once with finish_reason 'error'."""
+        params = SamplingParams() if params is None else params
+        seq_id = SeqId(next(self._ids))
+        seed = getattr(params, "seed", None)
+        seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else self._rng.getrandbits(63)
+        try:
+            params = check_params(params, self.vocab_size)
+            ids = prompt_to_ids(prompt, self.tokenizer, self.vocab_size)
+            check_length(len(ids), params, self.max_model_len, self.allocator.capacity_tokens)
+        except RequestError as exc:
+            seq = Sequence(seq_id, index, [], params, seed)
+            seq.finish("error", str(exc))
+            self._seqs[seq_id] = seq
+            return seq_id
+        seq = Sequence(seq_id, index, ids, params, seed, logprobs=[] if params.logprobs is not None else None)
+        self._seqs[seq_id] = seq
+        self.scheduler.add(seq)
+        return seq_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[Sequence]:
+        """Run one forward over the next plan; -> sequences that finished in it."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.evicted)
+        if not plan:
+            return self._unblock()
+        for item in plan.scheduled:
+            if item.seq.num_computed == 0 and item.seq.num_preemptions == 0:
+                self.stats.prompt_tokens += len(item.seq.prompt_ids)
+        samplers, logits = self.executor.execute(plan)
+        finished: list[Sequence] = []
+        if samplers:
+            seqs = [item.seq for item in samplers]
+            result = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                            [len(s.output_ids) for s in seqs], [s.prompt_ids for s in seqs],
+                            [s.output_ids for s in seqs], self.eos_token_ids)
+            for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
+                if self._append_token(seq, tok, lp):
+                    self.scheduler.release(seq)
+                    finished.append(seq)
+        self._busy_s += time.perf_counter() - t0
+        return finished
+
+    def _unblock(self) -> list[Sequence]:
+        """Nothing could be scheduled: the head of the queue can never fit the pool alone."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        seq = self.scheduler.waiting[0]
+        self.scheduler.release(seq)
+        seq.finish("error", f"sequence of {seq.num_tokens} tokens does not fit the KV pool "
+                            f"({self.allocator.capacity_tokens} tokens)")
+        return [seq]
+
+    def _append_token(self, seq: Sequence, tok: int, lp: dict[int, float] | None) -> bool:
+        p: SamplingParams = seq.params
+        seq.output_ids.append(tok)
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(lp)
+        self.stats.generated_tokens += 1
+        n = len(seq.output_ids)
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            seq.finish("stop")
+        elif p.stop_token_ids and tok in p.stop_token_ids:
+            seq.finish("stop")
+        elif p.stop_list and self.tokenizer is not None and n >= p.min_tokens and self._hit_stop_string(seq):
+            seq.finish("stop", why="stop-string")
+        elif n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish("length")
+        return seq.is_finished
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        assert self.tokenizer is not None
+        before = len(seq.text)
+        seq.text = self.tokenizer.decode(seq.output_ids)
+        span = find_stop_span(seq.text, seq.params.stop_list, before)
+        if span is None:
+            return False
+        seq.text = seq.text[:span[1] if seq.params.include_stop_str_in_output else span[0]]
+        return True
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        if seq.finish_reason == "error" or self.tokenizer is None:
+            text = ""
+        elif seq.history and seq.history[-1][1] == "finish:stop-string":
+            text = seq.text  # already cut at the stop string
+        else:
+            text = self.tokenizer.decode(seq.output_ids)
+        return RequestOutput(index=seq.request_index, prompt_token_ids=seq.prompt_ids,
+                             token_ids=list(seq.output_ids), text=text, finish_reason=seq.finish_reason or "error",
+                             error=seq.error, logprobs=seq.logprobs, num_preemptions=seq.num_preemptions)
+
+    # -- batch API --------------------------------------------------------------------------------
+    def stream(self, prompts: Seq[Prompt], sampling: SamplingParams | Seq[SamplingParams] | None = None
+               ) -> Iterator[tuple[int, RequestOutput]]:
+        """Yield (input index, output) as each request finishes."""
+        params_list = self._broadcast(prompts, sampling)
+        mine: dict[SeqId, int] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            mine[self.add_request(prompt, params, index=i)] = i
+        for seq_id in list(mine):
+            seq = self._seqs[seq_id]
+            if seq.is_finished:
+                del mine[seq_id]
+                yield seq.request_index, self.output(self._seqs.pop(seq_id))
+        while mine:
+            for seq in self.step():
+                if seq.seq_id in mine:
+                    del mine[seq.seq_id]
+                    yield seq.request_index, self.output(self._seqs.pop(seq.seq_id))
+
+    def generate(self, prompts: Seq[Prompt], sampling: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Outputs in input order."""
+        outs: list[RequestOutput | None] = [None] * len(prompts)
+        for i, out in self.stream(prompts, sampling):
+            outs[i] = out
+        return outs  # type: ignore[return-value]
+
+    @staticmethod
+    def _broadcast(prompts: Seq[Prompt], sampling: Any) -> list[Any]:
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("prompts must be a list of prompts (strings or token-id lists), not one string")
+        if sampling is None or isinstance(sampling, SamplingParams):
+            return [sampling or SamplingParams()] * len(prompts)
+        sampling = list(sampling)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        return sampling
+
+    # -- coroutine API ----------------------------------------------------------------------------
+    def get(self, seq_id: SeqId) -> Sequence:
+        return self._seqs[seq_id]
+
+    def pop_output(self, seq_id: SeqId) -> RequestOutput:
+        """Hand back a finished request's output and forget it."""
+        seq = self._seqs[seq_id]
+        if not seq.is_finished:
+            raise ValueError(f"sequence {seq_id} is not finished")
+        return self.output(self._seqs.pop(seq_id))
+
+    def suspend(self, seq_id: SeqId, with_kv: bool | None = None) -> bytes:
+        """Park a coroutine at its inter-forward yield point, remove it here, return its state.
+
+        with_kv: True sends the KV cache along, False recomputes it on resume, None picks the
+        cheaper by the codec's cost model (bytes to send vs tokens to recompute).
+        """
+        seq = self._seqs.pop(seq_id)
+        kv = None
+        if with_kv is None:
+            with_kv = self.codec.prefer_kv(seq.num_computed, self.recompute_tokens_per_s())
+        if with_kv and seq.num_computed and seq.block_ids:
+            kv = self.executor.read_kv(seq.block_ids, seq.num_computed)
+        if not seq.is_finished:
+            self.scheduler.release(seq)
+        return self.codec.encode(seq, kv)
+
+    def resume(self, state: bytes) -> SeqId:
+        """Adopt a suspended coroutine; it continues exactly where it stopped."""
+        seq_id = SeqId(next(self._ids))
+        seq, kv = self.codec.decode(state, seq_id)
+        self._seqs[seq_id] = seq
+        if seq.is_finished:
+            return seq_id
+        if kv is not None and self.allocator.can_allocate(self.allocator.extra_blocks(0, kv.shape[1] + 1)) \
+                and len(self.scheduler.running) < self.config.max_num_seqs:
+            seq.block_ids = self.allocator.allocate(self.allocator.extra_blocks(0, kv.shape[1]))
+            self.executor.write_kv(seq.block_ids, kv)
+            seq.num_computed = kv.shape[1]
+            seq.transition(SeqStatus.RUNNING, "resume:with-kv")
+            self.scheduler.running.append(seq)
+        else:
+            seq.num_computed = 0
+            seq.transition(SeqStatus.WAITING, "resume:recompute")
+            self.scheduler.add(seq)
+        return seq_id
+
+    def recompute_tokens_per_s(self) -> float:
+        done = self.stats.prompt_tokens + self.stats.generated_tokens
+        return done / self._busy_s if self._busy_s > 0 else 0.0
+
+    def load(self) -> dict[str, Any]:
+        """What the cluster layer needs to balance work: queue, running, KV use, tokens left."""
+        unfinished = list(self.scheduler.waiting) + self.scheduler.running
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "kv_used_fraction": 1 - self.allocator.num_free / self.allocator.num_blocks,
+            "remaining_tokens": sum(s.remaining_tokens for s in unfinished),
+            "remaining_by_seq": {int(s.seq_id): s.remaining_tokens for s in unfinished},
+        }
+
+    def stats_summary(self) -> dict[str, float]:
+        return self.stats.summary()

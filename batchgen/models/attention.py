@@ -1,0 +1,140 @@
+"""Attention over a paged KV cache, for a flat batch of tokens from many sequences.
+
+Shape legend: T new tokens in the batch, S sequences, Q new tokens of one sequence, L context
+length (padded to the longest in a group), Hq query heads, Hk key/value heads, D head dim,
+W cached floats per token (K and V for GQA, the latent for MLA).
+
+Decoding sequences (one new token each) attend as one padded batch; prefill chunks attend one
+sequence at a time, so prompts of very different lengths never pad each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .layers import rms_norm
+from .rope import RotaryEmbedding
+from .spec import GQASpec
+from .weights import GQAWeights
+
+# gathered cache rows [..., L, W] -> (k [..., L, Hk, Dk], v [..., L, Hk, Dv])
+KVExpander = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int  # first row of this chunk in the flat batch
+    num_tokens: int
+    gather_slots: torch.Tensor  # [L] cache slots of the whole context, position order
+    positions: torch.Tensor  # [Q]
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where every token of a flat batch sits in the paged cache; built once per forward."""
+
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] cache slot that receives each new token's KV
+    decode_rows: torch.Tensor  # [Sd] rows of the decoding sequences' single tokens
+    decode_gather: torch.Tensor  # [Sd, L] cache slots of their contexts (padding -> slot 0)
+    decode_positions: torch.Tensor  # [Sd]
+    prefills: list[PrefillChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @staticmethod
+    def build(items: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
+              device: torch.device) -> "AttentionBatch":
+        """items: per sequence (num_computed, num_new, block_ids); tokens laid out in that order."""
+        positions: list[int] = []
+        slots: list[int] = []
+        dec_rows: list[int] = []
+        dec_ctx: list[list[int]] = []
+        prefills: list[tuple[int, int, list[int], list[int]]] = []
+        for computed, new, blocks in items:
+            start = len(positions)
+            pos = list(range(computed, computed + new))
+            ctx_slots = [blocks[p // block_size] * block_size + p % block_size for p in range(computed + new)]
+            positions.extend(pos)
+            slots.extend(ctx_slots[computed:])
+            if new == 1:
+                dec_rows.append(start)
+                dec_ctx.append(ctx_slots)
+            else:
+                prefills.append((start, new, ctx_slots, pos))
+        longest = max((len(c) for c in dec_ctx), default=0)
+        gather = [c + [0] * (longest - len(c)) for c in dec_ctx]
+
+        def t(x: object) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        return AttentionBatch(
+            positions=t(positions), slot_mapping=t(slots), decode_rows=t(dec_rows),
+            decode_gather=t(gather).reshape(len(gather), longest),
+            decode_positions=t([positions[r] for r in dec_rows]),
+            prefills=[PrefillChunk(s, n, t(c), t(p)) for s, n, c, p in prefills])
+
+
+def _allowed(q_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """q_pos: [..., Q] -> bool [..., Q, L]: causal, and inside the sliding window if any."""
+    k_pos = torch.arange(num_keys, device=q_pos.device)
+    ok = k_pos <= q_pos.unsqueeze(-1)
+    if window is not None:
+        ok &= k_pos > q_pos.unsqueeze(-1) - window
+    return ok
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [S, Q, Hq, Dk], k: [S, L, Hk, Dk], v: [S, L, Hk, Dv], allowed: [S, Q, L] -> [S, Q, Hq, Dv]."""
+    hq, hk = q.shape[2], k.shape[2]
+    if hk != hq:
+        k = k.repeat_interleave(hq // hk, dim=2)
+        v = v.repeat_interleave(hq // hk, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=allowed.unsqueeze(1), scale=scale)
+    return out.transpose(1, 2)
+
+
+def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor, expand: KVExpander,
+                    scale: float, window: int | None, v_dim: int) -> torch.Tensor:
+    """q: [T, Hq, Dk]; cache: [slots, W] already holding this batch's new KV -> [T, Hq, v_dim]."""
+    out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+    if batch.decode_rows.numel():
+        k, v = expand(cache[batch.decode_gather])  # [Sd, L, Hk, *]
+        allowed = _allowed(batch.decode_positions.unsqueeze(-1), k.shape[1], window)
+        out[batch.decode_rows] = _attend(q[batch.decode_rows].unsqueeze(1), k, v, allowed, scale).squeeze(1)
+    for chunk in batch.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        k, v = expand(cache[chunk.gather_slots].unsqueeze(0))
+        allowed = _allowed(chunk.positions.unsqueeze(0), k.shape[1], window)
+        out[rows] = _attend(q[rows].unsqueeze(0), k, v, allowed, scale).squeeze(0)
+    return out
+
+
+def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbedding, batch: AttentionBatch,
+                  cache: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H] (already normed) -> attention output [T, H]; writes this batch's K/V into cache [slots, W]."""
+    T = x.shape[0]
+    hq, hk, d = a.num_heads, a.num_kv_heads, a.head_dim
+    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([hq * d, hk * d, hk * d], dim=-1)
+    if a.qk_norm == "full":
+        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+    if a.clip_qkv is not None:
+        q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+    q, k, v = q.reshape(T, hq, d), k.reshape(T, hk, d), v.reshape(T, hk, d)
+    if a.qk_norm == "head":
+        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+    q, k = rotary.apply(q, batch.positions), rotary.apply(k, batch.positions)
+    cache[batch.slot_mapping] = torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1).to(cache.dtype)
+
+    def expand(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kk, vv = rows.split(hk * d, dim=-1)
+        return kk.unflatten(-1, (hk, d)), vv.unflatten(-1, (hk, d))
+
+    out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d)
+    return F.linear(out.reshape(T, hq * d), w.o, w.o_bias)

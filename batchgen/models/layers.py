@@ -1,0 +1,26 @@
+"""Small stateless building blocks shared by every family."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .weights import MLPWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalize in fp32 then scale in the input dtype, as transformers' *RMSNorm does."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] -> silu(gate) * up: [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def mlp(x: torch.Tensor, w: MLPWeights) -> torch.Tensor:
+    """x: [T, H] -> [T, H]; SwiGLU."""
+    return F.linear(silu_mul(F.linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)

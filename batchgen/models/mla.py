@@ -1,0 +1,42 @@
+"""DeepSeek multi-head latent attention over the paged cache.
+
+The cache holds the compressed latent per token: [kv_lora_rank] (after kv_a_layernorm) followed by
+the rotated shared key [rope_dim] — kv_lora_rank + rope_dim floats instead of 2 Hq D. Keys and
+values are expanded from the latent (kv_b_proj) when attended.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention import AttentionBatch, paged_attention
+from .layers import rms_norm
+from .rope import RotaryEmbedding
+from .spec import MLASpec
+from .weights import MLAWeights
+
+
+def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbedding, batch: AttentionBatch,
+                  cache: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H] (already normed) -> [T, H]; writes the latent of this batch's tokens into cache [slots, W]."""
+    T, h = x.shape[0], a.num_heads
+    nope, rope_dim, r = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
+    if w.q is not None:
+        q = F.linear(x, w.q)
+    else:
+        q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, eps), w.q_b)
+    q = q.reshape(T, h, nope + rope_dim)
+    q = torch.cat([q[..., :nope], rotary.apply(q[..., nope:], batch.positions)], dim=-1)
+    latent, k_pe = F.linear(x, w.kv_a, w.kv_a_bias).split([r, rope_dim], dim=-1)
+    latent = rms_norm(latent, w.kv_a_norm, eps)
+    k_pe = rotary.apply(k_pe.unsqueeze(1), batch.positions).squeeze(1)
+    cache[batch.slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
+
+    def expand(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = F.linear(rows[..., :r], w.kv_b).unflatten(-1, (h, nope + a.v_head_dim))  # [..., L, Hq, nope + v]
+        k_nope, v = kv.split([nope, a.v_head_dim], dim=-1)
+        pe = rows[..., r:].unsqueeze(-2).expand(*k_nope.shape[:-1], rope_dim)
+        return torch.cat([k_nope, pe], dim=-1), v
+
+    out = paged_attention(q, batch, cache, expand, a.softmax_scale, None, a.v_head_dim)
+    return F.linear(out.reshape(T, h * a.v_head_dim), w.o, w.o_bias)

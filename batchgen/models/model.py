@@ -1,0 +1,82 @@
+"""A loaded model as a list of stages the runtime can call one at a time.
+
+Per layer l there are two stages on a flat batch of tokens:
+  attention_stage(l): h += attn(norm(h))   needs the KV cache and the batch's block tables
+  ffn_stage(l):       h += ffn(norm(h))    per-token; for MoE layers this is the yield point
+                                           where the runtime combines micro-batches
+so any set of tokens parked before ffn_stage(l) may be concatenated and run together.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ModelLoadError
+from .attention import AttentionBatch, gqa_attention
+from .layers import mlp, rms_norm
+from .loader import load_spec, load_weights, resolve_dtype
+from .mla import mla_attention
+from .moe import moe
+from .rope import RotaryEmbedding
+from .spec import GQASpec, MoESpec, ModelSpec
+from .weights import MLPWeights, ModelWeights
+
+
+class Model:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
+                 config: dict) -> None:
+        self.spec, self.weights, self.device, self.dtype, self.config = spec, weights, device, dtype, config
+        self.rotary = RotaryEmbedding(spec.rope, spec.max_position_embeddings, device)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
+             device: str | torch.device | None = None) -> "Model":
+        path = Path(model_dir).expanduser()
+        cfg, spec = load_spec(path)
+        torch_dtype = resolve_dtype(dtype, cfg)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            weights = load_weights(path, spec, torch_dtype, dev)
+        except RuntimeError as exc:  # shape mismatches surface as torch errors
+            raise ModelLoadError(f"weights in {str(path)!r} do not match config.json: {exc}") from exc
+        return cls(spec, weights, dev, torch_dtype, cfg)
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return isinstance(self.spec.layers[layer].ffn, MoESpec)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids: [T] -> hidden [T, H]."""
+        return F.embedding(token_ids, self.weights.embed)
+
+    def attention_stage(self, layer: int, hidden: torch.Tensor, batch: AttentionBatch,
+                        cache: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, H] -> [T, H]; cache: this layer's [slots, W]."""
+        w, a = self.weights.layers[layer], self.spec.layers[layer].attention
+        x = rms_norm(hidden, w.input_norm, self.spec.rms_norm_eps)
+        fn = gqa_attention if isinstance(a, GQASpec) else mla_attention
+        return hidden + fn(x, w.attention, a, self.rotary, batch, cache, self.spec.rms_norm_eps)  # type: ignore[arg-type]
+
+    def ffn_stage(self, layer: int, hidden: torch.Tensor,
+                  on_route: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """hidden: [T, H] -> [T, H]; rows are independent, so any tokens may be combined here."""
+        w, spec = self.weights.layers[layer], self.spec.layers[layer].ffn
+        x = rms_norm(hidden, w.post_norm, self.spec.rms_norm_eps)
+        if isinstance(spec, MoESpec):
+            return hidden + moe(x, w.ffn, spec, on_route)  # type: ignore[arg-type]
+        assert isinstance(w.ffn, MLPWeights)
+        return hidden + mlp(x, w.ffn)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> fp32 logits [N, V]."""
+        x = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
+        return F.linear(x, self.weights.lm_head).float()
+
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * self.spec.kv_width * torch.tensor([], dtype=self.dtype).element_size()

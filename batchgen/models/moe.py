@@ -1,0 +1,62 @@
+"""MoE stage: router (softmax/sigmoid, grouped top-k, correction bias, scaling) and experts.
+
+The expert computation itself lives in `batchgen_kernels` (Triton on CUDA, the torch reference
+elsewhere); this module only decides which tokens go where and with what weight.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from batchgen_kernels import fused_moe_reference
+
+from .layers import mlp
+from .spec import MoESpec, RouterSpec
+from .weights import MoEWeights
+
+
+def route(x: torch.Tensor, router_w: torch.Tensor, r: RouterSpec,
+          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, H] -> (topk_weights [T, A] fp32, topk_ids [T, A] int64). Routing runs in fp32."""
+    logits = F.linear(x.float(), router_w)  # [T, E]
+    scores = logits.softmax(dim=-1) if r.scoring == "softmax" else logits.sigmoid()
+    choice = scores + correction_bias if correction_bias is not None else scores
+    if r.num_groups > 1:
+        T, E, G = x.shape[0], r.num_experts, r.num_groups
+        grouped = choice.view(T, G, E // G)
+        if r.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep_groups = group_scores.topk(r.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
+        keep = keep.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+        # deepseek_v2 zeroes the dropped groups' softmax scores; v3 (sigmoid + bias) sets them to -inf
+        choice = choice.masked_fill(~keep, float("-inf") if r.group_score == "top2sum" else 0.0)
+    ids = choice.topk(r.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if r.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if r.has_correction_bias else 0.0))
+    if r.routed_scaling_factor != 1.0:
+        weights = weights * r.routed_scaling_factor
+    return weights, ids
+
+
+def moe(x: torch.Tensor, w: MoEWeights, spec: MoESpec,
+        on_route: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """x: [T, H] (already normed) -> [T, H]: routed experts plus the shared expert, if any.
+
+    on_route receives topk_ids [T, A] (the runtime counts tokens per expert call with it).
+    """
+    weights, ids = route(x, w.router, spec.router, w.correction_bias)
+    if on_route is not None:
+        on_route(ids)
+    out = fused_moe_reference(x, w.w13, w.w2, weights.to(x.dtype), ids)
+    if w.shared is not None:
+        shared = mlp(x, w.shared)
+        if w.shared_gate is not None:
+            shared = torch.sigmoid(F.linear(x, w.shared_gate)) * shared
+        out = out + shared
+    return out

@@ -1,0 +1,90 @@
+"""Runs one Plan on the device: the only runtime module that touches torch.
+
+Within a forward, attention runs per micro-batch (bounded by KV tokens); the tokens of all
+micro-batches then park at the MoE yield point of the layer and run the FFN/MoE stage combined,
+so each expert GEMM sees the whole forward's tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.attention import AttentionBatch
+from ..models.model import Model
+from .policy import Plan, ScheduledSeq, split_micro_batches
+from .stats import RuntimeStats
+
+
+class Executor:
+    def __init__(self, model: Model, num_blocks: int, block_size: int, stats: RuntimeStats,
+                 attention_kv_tokens: int | None = None) -> None:
+        self.model, self.block_size, self.stats = model, block_size, stats
+        self.attention_kv_tokens = attention_kv_tokens
+        # [layers, slots, W]: W = K and V of every kv head (GQA) or the latent (MLA)
+        self.cache = torch.zeros(model.num_layers, num_blocks * block_size, model.spec.kv_width,
+                                 dtype=model.dtype, device=model.device)
+
+    def execute(self, plan: Plan) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """-> (the scheduled sequences that sample, in row order; their logits [N, V] fp32)."""
+        groups = split_micro_batches(plan.scheduled, self.attention_kv_tokens)
+        ordered = [item for g in groups for item in g]
+        dev = self.model.device
+        tokens: list[int] = []
+        for item in ordered:
+            tokens.extend(_slice_tokens(item.seq.prompt_ids, item.seq.output_ids, item.seq.num_computed, item.num_new))
+        batches: list[tuple[slice, AttentionBatch]] = []
+        row = 0
+        for g in groups:
+            n = sum(i.num_new for i in g)
+            items = [(i.seq.num_computed, i.num_new, i.seq.block_ids) for i in g]
+            batches.append((slice(row, row + n), AttentionBatch.build(items, self.block_size, dev)))
+            row += n
+        hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
+        record = self._record_route
+        for layer in range(self.model.num_layers):
+            cache = self.cache[layer]
+            for rows, batch in batches:
+                hidden[rows] = self.model.attention_stage(layer, hidden[rows], batch, cache)
+            moe = self.model.is_moe_layer(layer)
+            if moe:
+                self.stats.moe_batches.append(len(tokens))
+            hidden = self.model.ffn_stage(layer, hidden, record if moe else None)
+        self.stats.forwards += 1
+        self.stats.attention_batches.extend(rows.stop - rows.start for rows, _ in batches)
+        sample_rows, samplers, row = [], [], 0
+        for item in ordered:
+            row += item.num_new
+            if item.samples:
+                sample_rows.append(row - 1)
+                samplers.append(item)
+        for item in ordered:
+            item.seq.num_computed += item.num_new
+        if not sample_rows:
+            return [], torch.empty(0, self.model.spec.vocab_size)
+        return samplers, self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
+
+    def _record_route(self, topk_ids: torch.Tensor) -> None:
+        counts = torch.bincount(topk_ids.flatten().cpu())
+        self.stats.expert_call_tokens.extend(int(c) for c in counts if c > 0)
+
+    # -- KV travelling with a suspended / migrated coroutine --------------------------------------
+    def read_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """-> host copy [layers, num_tokens, W] of a sequence's cached KV, position order."""
+        slots = self._slots(block_ids, num_tokens)
+        return self.cache[:, slots].cpu()
+
+    def write_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        slots = self._slots(block_ids, kv.shape[1])
+        self.cache[:, slots] = kv.to(device=self.cache.device, dtype=self.cache.dtype)
+
+    def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+        return slots[:num_tokens].to(self.cache.device)
+
+
+def _slice_tokens(prompt: list[int], output: list[int], start: int, n: int) -> list[int]:
+    """(prompt + output)[start:start+n] without building the concatenation (decode is the hot path)."""
+    p = len(prompt)
+    if start >= p:
+        return output[start - p:start - p + n]
+    return prompt[start:start + n] + output[:max(0, start + n - p)]

@@ -1,0 +1,162 @@
+"""Scheduling policy: which coroutines run in the next forward, and who is evicted. No torch.
+
+State in (waiting/running coroutines, free KV blocks), decisions out (a Plan). The engine, the
+cluster simulator and the Dask scheduler plugin all drive this same code.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .kv_cache import BlockAllocator, blocks_for
+from .sequence import SeqStatus, Sequence
+
+Eviction = Literal["newest", "fewest_computed", "most_remaining"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # newest: vLLM's choice (last admitted, least progress lost); fewest_computed: cheapest to
+    # recompute; most_remaining: the one that would hold its blocks longest
+    eviction: Eviction = "newest"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.eviction not in ("newest", "fewest_computed", "most_remaining"):
+            raise ValueError(f"unknown eviction policy {self.eviction!r}")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens fed this forward, starting at seq.num_computed
+
+    @property
+    def samples(self) -> bool:
+        """Does this forward reach the sequence's last token (so a new token is sampled)?"""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class Plan:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    evicted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+def pick_victim(candidates: list[Sequence], eviction: Eviction) -> Sequence:
+    """candidates are in admission order."""
+    if eviction == "newest":
+        return candidates[-1]
+    if eviction == "fewest_computed":
+        return min(reversed(candidates), key=lambda s: s.num_computed)
+    return max(reversed(candidates), key=lambda s: s.remaining_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+        self.config, self.allocator = config, allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_front(self, seq: Sequence) -> None:
+        self.waiting.appendleft(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def fits_pool(self, num_tokens: int) -> bool:
+        """Could a sequence of num_tokens ever hold its KV, alone in the pool?"""
+        return blocks_for(num_tokens, self.allocator.block_size) <= self.allocator.num_blocks
+
+    def release(self, seq: Sequence) -> None:
+        """A finished (or removed) sequence gives its blocks back at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.drop_kv())
+
+    def evict(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.drop_kv())
+        seq.num_preemptions += 1
+        seq.transition(SeqStatus.WAITING, reason)
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> Plan:
+        plan, budget = Plan(), self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            need = self.allocator.extra_blocks(len(seq.block_ids), seq.num_computed + n)
+            while not self.allocator.can_allocate(need):
+                unscheduled = self.running[i:]
+                victim = pick_victim(unscheduled, self.config.eviction) if len(unscheduled) > 1 else seq
+                self.evict(victim, "evict:kv-pool-full")
+                plan.evicted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.block_ids += self.allocator.allocate(need)
+            plan.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        if plan.evicted:
+            return plan  # admitting now would only thrash the pool
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            need = self.allocator.extra_blocks(len(seq.block_ids), seq.num_computed + n)
+            if not self.allocator.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.block_ids += self.allocator.allocate(need)
+            seq.transition(SeqStatus.RUNNING, "admit")
+            self.running.append(seq)
+            plan.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return plan
+
+
+def split_micro_batches(scheduled: list[ScheduledSeq], kv_token_budget: int | None) -> list[list[ScheduledSeq]]:
+    """Pack a forward into attention micro-batches of at most kv_token_budget KV tokens each.
+
+    A sequence's attention touches its whole context (num_computed + num_new tokens). A sequence
+    larger than the budget alone gets a micro-batch of its own. Order is kept.
+    """
+    if kv_token_budget is None:
+        return [scheduled] if scheduled else []
+    groups: list[list[ScheduledSeq]] = []
+    current: list[ScheduledSeq] = []
+    used = 0
+    for item in scheduled:
+        kv = item.seq.num_computed + item.num_new
+        if current and used + kv > kv_token_budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append(item)
+        used += kv
+    if current:
+        groups.append(current)
+    return groups

@@ -1,0 +1,101 @@
+"""A sequence coroutine's state: small, picklable, torch-free.
+
+A coroutine runs until its next yield point and parks there. Between forwards it parks at the
+inter-forward yield point (`YieldPoint.STEP`); inside a forward, the executor parks groups of
+tokens before each MoE stage (`YieldPoint.moe(l)`) so they can be combined with others.
+
+Token bookkeeping: `token_ids = prompt_ids + output_ids`; the first `num_computed` of them have
+their KV in the cache. A forward feeds the rest; when it reaches the end, a token is sampled.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+SeqId = NewType("SeqId", int)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # parked between forwards without KV (new, or evicted for recompute)
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    SWAPPED = "swapped"  # evicted with its KV kept in host memory
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class YieldPoint:
+    """Where a parked coroutine resumes: `layer` -1 means between forwards."""
+
+    layer: int = -1
+
+    @staticmethod
+    def moe(layer: int) -> "YieldPoint":
+        return YieldPoint(layer)
+
+    @property
+    def is_step(self) -> bool:
+        return self.layer < 0
+
+
+STEP = YieldPoint()
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: SeqId
+    request_index: int
+    prompt_ids: list[int]
+    params: Any  # SamplingParams; typed loosely to keep this module free of the sampler
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    yield_point: YieldPoint = STEP
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    text: str = ""
+    num_preemptions: int = 0
+    # (transition, reason) of recent state changes: migration and eviction stay debuggable
+    history: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed == 1 and bool(self.output_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Upper bound on tokens still to generate (max_tokens minus those done)."""
+        return max(0, int(self.params.max_tokens) - len(self.output_ids))
+
+    def transition(self, status: SeqStatus, reason: str) -> None:
+        self.status = status
+        self.history.append((status.value, reason))
+        del self.history[:-8]
+
+    def finish(self, reason: str, error: str | None = None, why: str | None = None) -> None:
+        self.finish_reason, self.error = reason, error
+        self.transition(SeqStatus.FINISHED, f"finish:{why or reason}")
+
+    def drop_kv(self) -> list[int]:
+        """Forget the cache (recompute later); returns the blocks to free."""
+        blocks, self.block_ids, self.num_computed = self.block_ids, [], 0
+        return blocks
