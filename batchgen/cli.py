@@ -1,0 +1,183 @@
+"""``batchgen run`` (a file job) and ``batchgen demo`` (the same on a bundled file and model).
+
+Exit codes: 0 when the job ran to the end, even if some rows failed (their error records say
+why; the summary counts them); 2 when it could not start (bad flags, unreadable input, missing
+model, an output that exists without --resume/--overwrite); 130 when interrupted (what finished
+is kept: rerun with --resume).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from batchgen.errors import BatchgenError
+
+# (flag, SamplingParams field, type, help); unset flags keep SamplingParams' (vLLM's) defaults.
+_SAMPLING_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--max-tokens", "max_tokens", int, "tokens to generate at most (default 16)"),
+    ("--min-tokens", "min_tokens", int, "tokens to generate before EOS/stop may end a row"),
+    ("--temperature", "temperature", float, "0 is greedy (default 1.0)"),
+    ("--top-p", "top_p", float, "nucleus sampling mass in (0, 1]"),
+    ("--top-k", "top_k", int, "sample among the k most likely tokens; 0 or -1: off"),
+    ("--min-p", "min_p", float, "drop tokens below min_p times the top probability"),
+    ("--seed", "seed", int, "per-row seed, so sampled rows are reproducible"),
+    ("--presence-penalty", "presence_penalty", float, "in [-2, 2]"),
+    ("--frequency-penalty", "frequency_penalty", float, "in [-2, 2]"),
+    ("--repetition-penalty", "repetition_penalty", float, "> 0; 1 is off"),
+    ("--logprobs", "logprobs", int, "return the sampled token's logprob and the top N"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchgen", description="Batch (offline) inference of Mixture-of-Experts LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser(
+        "run", help="run a JSONL or Parquet file of requests through a model",
+        description="Run every row of --input through the model and write one result or error "
+        "per row to --output. Input by extension: .jsonl (OpenAI batch: custom_id, method, url "
+        "/v1/completions or /v1/chat/completions, body) or .parquet (one prompt per row; all "
+        "columns pass through). The output uses the input's format. Rows with bad values get "
+        "an error record and the job goes on; exit code 2 means it could not start.")
+    run.add_argument("--model", required=True, metavar="DIR", help="model directory "
+                     "(config.json, *.safetensors, tokenizer.json)")
+    run.add_argument("--input", required=True, type=Path, metavar="FILE",
+                     help="requests: .jsonl (OpenAI batch) or .parquet")
+    run.add_argument("--output", required=True, type=Path, metavar="FILE",
+                     help="results, same extension as --input; written as rows finish")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue an interrupted job: "
+                       "skip rows already in --output, run the rest")
+    again.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    _add_engine_flags(run)
+    pq = run.add_argument_group("Parquet input")
+    pq.add_argument("--prompt-column", default="prompt", metavar="NAME", help="column with the "
+                    "prompt: text, token ids, or chat messages (default: prompt)")
+    pq.add_argument("--id-column", metavar="NAME", help="column of unique row ids, checked and "
+                    "named in error messages (default: the row number)")
+    pq.add_argument("--param-column", action="append", default=[], metavar="FIELD[=COLUMN]",
+                    help="take sampling field FIELD of each row from COLUMN (default: a column "
+                    "named FIELD), e.g. max_tokens=max_tok; repeatable; null cells use the flags")
+    pq.add_argument("--per-row-params", action="store_true", help="take every column named "
+                    "like a sampling field (max_tokens, temperature, ...) as that row's value")
+    _add_sampling_flags(run)
+
+    demo = sub.add_parser("demo", help="build the small demo model and run a bundled file",
+                          description="Build the embedded demo model (random weights: the text "
+                          "is gibberish, the speed is real) and run 16 bundled requests.")
+    demo.add_argument("--output", type=Path, default=Path("demo_out/results.jsonl"),
+                      metavar="FILE", help="where to write the results (default: %(default)s)")
+    _add_engine_flags(demo)
+    return parser
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="float32", help="compute dtype (default: float32)")
+    g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--chunk-size", type=int, default=256, metavar="N",
+                   help="rows handed to the engine at a time; bounds memory (default: 256)")
+    g.add_argument("--progress", choices=["auto", "bar", "lines", "off"], default="auto",
+                   help="progress on stderr: a bar on a terminal, periodic lines otherwise")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling defaults", "each row's own body fields or parameter "
+                             "columns override these")
+    for flag, field, kind, text in _SAMPLING_FLAGS:
+        g.add_argument(flag, dest=field, type=kind, metavar=kind.__name__.upper(), help=text)
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop when TEXT is generated (not included); repeatable")
+    g.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="keep generating past EOS (for benchmarks)")
+
+
+def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    fields = [f for _, f, _, _ in _SAMPLING_FLAGS] + ["stop", "ignore_eos"]
+    return {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+
+
+def param_columns(specs: Sequence[str]) -> dict[str, str]:
+    """``["max_tokens=max_tok", "seed"]`` -> ``{"max_tokens": "max_tok", "seed": "seed"}``."""
+    out = {}
+    for spec in specs:
+        field, _, column = spec.partition("=")
+        out[field.strip()] = column.strip() or field.strip()
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            return _demo(args)
+        return _run(args)
+    except BatchgenError as exc:
+        print(f"batchgen: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("batchgen: interrupted; finished rows are saved: rerun with --resume to finish",
+              file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from batchgen.io.spec import JobSpec
+
+    spec = JobSpec(input=args.input, output=args.output, resume=args.resume,
+                   overwrite=args.overwrite, defaults=sampling_defaults(args),
+                   prompt_column=args.prompt_column, id_column=args.id_column,
+                   param_columns=param_columns(args.param_column),
+                   per_row_params=args.per_row_params)
+    spec.check()
+    summary = _execute(spec, args.model, args)
+    print(f"batchgen: wrote {spec.output}: {summary.describe()}", file=sys.stderr)
+    return 0
+
+
+def _execute(spec: Any, model: str | Path, args: argparse.Namespace) -> Any:
+    """Load the model, open the files, run; -> JobSummary."""
+    from batchgen.engine import Engine
+    from batchgen.io.backend import EngineBackend
+    from batchgen.io.job import run_job
+    from batchgen.io.rows import RowContext
+    from batchgen.progress import Progress
+
+    if not Path(model).is_dir():
+        raise BatchgenError(f"--model {model}: no such directory")
+    engine = Engine(model, dtype=args.dtype, device=args.device)
+    ctx = RowContext(engine.tokenizer, engine.vocab_size, engine.max_model_len, spec.defaults)
+    reader, sink = spec.open(ctx, model=Path(model).name)
+    with Progress(reader.count(), initial=len(sink.done), mode=args.progress) as progress:
+        return run_job(reader.requests(sink.done), sink, EngineBackend(engine),
+                       chunk_size=args.chunk_size, progress=progress)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from batchgen.demo import build_demo_model, default_demo_dir
+    from batchgen.io.spec import JobSpec
+
+    print("batchgen demo: building the demo model (once) ...", file=sys.stderr)
+    model = build_demo_model(default_demo_dir())
+    with resources.as_file(resources.files("batchgen") / "data" / "demo_prompts.jsonl") as src:
+        spec = JobSpec(input=src, output=args.output, overwrite=True)
+        spec.check()
+        summary = _execute(spec, model, args)
+        prompts = {r["custom_id"]: r["body"] for r in map(json.loads, src.open())}
+    for record in list(map(json.loads, args.output.open()))[:4]:
+        body = prompts[record["custom_id"]]
+        asked = body.get("prompt") or body["messages"][-1]["content"]
+        choice = record["response"]["body"]["choices"][0]
+        answer = choice["text"] if "text" in choice else choice["message"]["content"]
+        print(f"{record['custom_id']}: {asked!r}\n  -> {answer!r}")
+    print(f"batchgen demo: wrote {args.output}: {summary.describe()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

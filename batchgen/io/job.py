@@ -1,0 +1,121 @@
+"""The job runner: stream requests through a backend in chunks, write each row as it finishes.
+
+Memory stays bounded by the chunk size whatever the input's length: the reader parses lazily,
+a chunk's valid rows go to the backend together, and finished rows are written (and made
+durable by the sink's ``flush``) at least every ``flush_rows`` rows or ``flush_seconds``.
+Invalid rows are written as errors without reaching the backend.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from batchgen.io.backend import Backend
+from batchgen.io.request import Request, RowError, RowKey
+from batchgen.progress import format_duration
+
+if TYPE_CHECKING:
+    from batchgen.outputs import RequestOutput
+    from batchgen.progress import Progress
+
+
+class Sink(Protocol):
+    """A resumable output (``JsonlSink``, ``ParquetSink``)."""
+
+    flush_rows: int
+    done: set[RowKey]  # keys already in the output when it was opened
+
+    @property
+    def pending(self) -> int: ...
+    def add_result(self, req: Request, out: RequestOutput) -> None: ...
+    def add_error(self, req: Request) -> None: ...
+    def flush(self) -> None: ...
+    def commit(self) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class JobSummary:
+    resumed: int = 0  # rows already in the output before this run
+    succeeded: int = 0
+    errors: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return self.succeeded + self.errors
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def describe(self) -> str:
+        text = (f"{self.rows} rows: {self.succeeded} succeeded, {self.errors} errors"
+                + (f" ({self.resumed} already done before this run)" if self.resumed else "")
+                + f"; {self.generated_tokens} tokens generated in "
+                f"{format_duration(self.wall_s)} ({self.tokens_per_s:,.1f} tok/s)")
+        if self.errors:
+            text += "\nsome rows failed: their error records say why (line/row, field, value)"
+        return text
+
+
+def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
+            chunk_size: int = 256, flush_seconds: float = 2.0,
+            progress: Progress | None = None) -> JobSummary:
+    """Run every request, write every result or error to ``sink``, then commit it.
+
+    On an exception (KeyboardInterrupt included) the rows finished so far are flushed and the
+    sink stays resumable.
+    """
+    summary = JobSummary(resumed=len(sink.done))
+    start = last_flush = time.monotonic()
+
+    def wrote(rows: int = 1, tokens: int = 0) -> None:
+        nonlocal last_flush
+        if progress is not None:
+            progress.update(rows, tokens)
+        now = time.monotonic()
+        if sink.pending >= sink.flush_rows or now - last_flush >= flush_seconds:
+            sink.flush()
+            last_flush = now
+
+    try:
+        for chunk in _chunks(requests, chunk_size):
+            valid = [r for r in chunk if r.is_valid]
+            for req in chunk:
+                if not req.is_valid:
+                    sink.add_error(req)
+                    summary.errors += 1
+                    wrote()
+            if not valid:
+                continue
+            outputs = backend.submit([r.prompt_token_ids for r in valid],  # type: ignore[misc]
+                                     [r.params for r in valid])  # type: ignore[misc]
+            for i, out in outputs:
+                req = valid[i]
+                if out.finish_reason == "error":
+                    req.fail_with(RowError("invalid_request", out.error or "generation failed"))
+                    sink.add_error(req)
+                    summary.errors += 1
+                else:
+                    sink.add_result(req, out)
+                    summary.succeeded += 1
+                    summary.generated_tokens += out.num_generated_tokens
+                wrote(1, out.num_generated_tokens)
+    except BaseException:
+        sink.close()
+        raise
+    finally:
+        summary.wall_s = time.monotonic() - start
+    sink.commit()
+    return summary
+
+
+def _chunks(items: Iterable[Request], size: int) -> Iterator[list[Request]]:
+    it = iter(items)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk

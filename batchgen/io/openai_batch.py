@@ -1,0 +1,159 @@
+"""OpenAI batch JSONL: input lines -> ``Request``, results -> output lines.
+
+Input, one request per line (blank lines are skipped)::
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": "Hello", "max_tokens": 16}}
+
+Output, one line per input line, in finishing order: a ``text_completion`` or
+``chat.completion`` object under ``response.body``, or for a bad line ``response.status_code``
+400 and ``error = {code, message, param, line}`` (the shape of OpenAI's batch validation
+errors), the message naming the line, the field and the value.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchgen.io.logprobs import chat_logprobs, completion_logprobs
+from batchgen.io.params import FieldError, openai_fields
+from batchgen.io.request import NO_VALUE, Request, RowKey
+from batchgen.io.rows import RowContext, set_params, set_prompt
+
+if TYPE_CHECKING:
+    from batchgen.outputs import RequestOutput
+    from batchgen.tokenizer import Tokenizer
+
+ENDPOINTS = {"/v1/completions": False, "/v1/chat/completions": True}  # url -> is chat
+# Rows that have no custom_id of their own to be recognised by on --resume.
+_LINE_KEYED_CODES = frozenset({"invalid_json", "missing_custom_id", "duplicate_custom_id"})
+
+
+class OpenAIBatchReader:
+    """Parses an input file lazily; ``requests(skip)`` yields the rows whose key is not in skip."""
+
+    def __init__(self, path: Path, ctx: RowContext) -> None:
+        self.path, self.ctx = path, ctx
+
+    def count(self) -> int:
+        with open(self.path, "rb") as f:
+            return sum(1 for raw in f if raw.strip())
+
+    def requests(self, skip: set[RowKey] | frozenset[RowKey] = frozenset()) -> Iterator[Request]:
+        seen: dict[str, int] = {}  # custom_id -> first line; duplicates depend on the input only
+        with open(self.path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                req, obj = identify(raw, number, seen)
+                if req.key in skip:
+                    continue
+                if req.is_valid:
+                    complete(req, obj, self.ctx)
+                yield req
+
+
+def identify(raw: bytes, number: int, seen: dict[str, int]) -> tuple[Request, dict[str, Any]]:
+    """Parse the JSON and the custom_id: enough to know the row's key."""
+    req = Request(key=("line", number), where=f"line {number}", number=number)
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = raw.decode("utf-8", "replace").rstrip("\r\n")
+        req.fail("invalid_json", f"not valid JSON ({exc}): {text[:60]!r}")
+        return req, {}
+    if not isinstance(obj, dict):
+        req.fail("invalid_json", "must be a JSON object", None, obj)
+        return req, {}
+    cid = obj.get("custom_id", NO_VALUE)
+    if cid is NO_VALUE or cid is None:
+        req.fail("missing_custom_id", "missing", "custom_id")
+    elif not isinstance(cid, str) or not cid:
+        req.fail("missing_custom_id", "must be a non-empty string", "custom_id", cid)
+    elif cid in seen:
+        req.custom_id = cid
+        req.fail("duplicate_custom_id", f"already used on line {seen[cid]}", "custom_id", cid)
+    else:
+        seen[cid] = number
+        req.key, req.custom_id = ("id", cid), cid
+    return req, obj
+
+
+def complete(req: Request, obj: dict[str, Any], ctx: RowContext) -> None:
+    """Check method, url and body; tokenize the prompt; build the SamplingParams."""
+    method, url, body = obj.get("method", NO_VALUE), obj.get("url", NO_VALUE), obj.get("body")
+    if method is NO_VALUE or url is NO_VALUE or body is None:
+        param = "method" if method is NO_VALUE else "url" if url is NO_VALUE else "body"
+        req.fail("missing_" + param, "missing", param)
+        return
+    if method != "POST":
+        req.fail("invalid_method", "must be 'POST'", "method", method)
+        return
+    if url not in ENDPOINTS:
+        req.fail("invalid_url", f"must be one of {sorted(ENDPOINTS)}", "url", url)
+        return
+    if not isinstance(body, dict):
+        req.fail("invalid_body", "must be a JSON object", "body", body)
+        return
+    req.chat = ENDPOINTS[url]
+    try:
+        fields = openai_fields(body)
+    except FieldError as exc:
+        req.fail_with(exc.error)
+        return
+    set_params(req, fields, ctx, prefix="body.")
+    if req.is_valid:
+        name = "messages" if req.chat else "prompt"
+        if name not in body:
+            req.fail("invalid_prompt", "missing", "body." + name)
+        else:
+            set_prompt(req, body[name], "body." + name, ctx)
+
+
+def success_record(req: Request, out: RequestOutput, model: str,
+                   tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+    """``tokenizer`` decodes the tokens of requested logprobs."""
+    with_lp = out.logprobs is not None and tokenizer is not None
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "finish_reason": out.finish_reason,
+                  "logprobs": chat_logprobs(out, tokenizer) if with_lp else None}
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason,
+                  "logprobs": completion_logprobs(out, tokenizer) if with_lp else None}
+        obj, prefix = "text_completion", "cmpl-"
+    body = {
+        "id": prefix + uuid.uuid4().hex, "object": obj, "created": int(time.time()),
+        "model": model, "choices": [choice],
+        "usage": {"prompt_tokens": out.num_prompt_tokens,
+                  "completion_tokens": out.num_generated_tokens,
+                  "total_tokens": out.num_prompt_tokens + out.num_generated_tokens},
+    }
+    return _record(req, 200, body, None)
+
+
+def error_record(req: Request) -> dict[str, Any]:
+    assert req.error is not None
+    error = {"code": req.error.code, "message": req.error.message, "param": req.error.param,
+             "line": req.number}
+    return _record(req, 400, {"error": error}, error)
+
+
+def record_key(record: dict[str, Any]) -> RowKey:
+    """The key of the input row an output line answers (see ``identify``)."""
+    error = record.get("error") or {}
+    if record.get("custom_id") is None or error.get("code") in _LINE_KEYED_CODES:
+        return ("line", error["line"])
+    return ("id", record["custom_id"])
+
+
+def _record(req: Request, status: int, body: dict[str, Any],
+            error: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": req.custom_id,
+            "response": {"status_code": status, "request_id": uuid.uuid4().hex, "body": body},
+            "error": error}

@@ -1,0 +1,78 @@
+"""Per-row sampling fields -> ``SamplingParams``, with the job's defaults underneath.
+
+``SamplingParams.from_mapping`` knows vLLM's names and the OpenAI aliases, and ``validate``
+checks types and ranges. What is left for this module is the rest of an OpenAI request body:
+fields that change nothing (``model``, ``user``) and fields we accept only when they ask for
+nothing we do not do (``stream: false``, ``n: 1``).
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from batchgen.errors import RequestError
+from batchgen.io.request import RowError, describe
+from batchgen.sampling_params import SamplingParams
+
+# OpenAI fields accepted only with one of these values.
+_OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,), "stream": (False,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+}
+# OpenAI fields that do not change what is generated.
+_OPENAI_IGNORED = frozenset({
+    "model", "user", "metadata", "store", "service_tier", "stream_options",
+    "parallel_tool_calls", "reasoning_effort", "modalities",
+})
+_PROMPT_FIELDS = frozenset({"prompt", "messages"})
+FIELD_NAMES = frozenset(SamplingParams.__dataclass_fields__)
+_ALIASES = frozenset({"max_completion_tokens", "top_logprobs"})  # see SamplingParams.from_mapping
+
+
+class FieldError(RequestError):
+    """One sampling field is bad or unsupported; ``error`` says which and why."""
+
+    def __init__(self, error: RowError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def openai_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling fields of a request body, for ``make_params``."""
+    out: dict[str, Any] = {}
+    for name, value in body.items():
+        if name in _PROMPT_FIELDS or name in _OPENAI_IGNORED or value is None:
+            continue
+        if name in _OPENAI_NEUTRAL:
+            if value not in _OPENAI_NEUTRAL[name]:
+                param = "body." + name
+                raise FieldError(RowError(
+                    "unsupported_value", describe("not supported by batchgen", param, value),
+                    param))
+            continue
+        if name not in FIELD_NAMES and name not in _ALIASES:
+            known = sorted(FIELD_NAMES | _ALIASES | _OPENAI_NEUTRAL.keys() | _OPENAI_IGNORED)
+            close = difflib.get_close_matches(name, known, n=1)
+            reason = "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
+            raise FieldError(RowError("unknown_field", describe(reason, "body." + name, value),
+                                      "body." + name))
+        out[name] = value
+    return out
+
+
+def make_params(defaults: Mapping[str, Any], fields: Mapping[str, Any],
+                vocab_size: int | None, prefix: str = "") -> SamplingParams:
+    """``fields`` (a row's own) override ``defaults`` (the job's); both use vLLM's names or
+    the OpenAI aliases. Raises ``FieldError`` naming the field and the value."""
+    try:
+        params = SamplingParams.from_mapping({**defaults, **fields})
+    except TypeError as exc:  # an unknown field name
+        raise FieldError(RowError("unknown_field", str(exc))) from None
+    problem = params.validate(vocab_size)
+    if problem:  # "top_p must be ..., got 7": it names the field and the value
+        name = problem.split(" ", 1)[0]
+        param = prefix + name if name in FIELD_NAMES else None
+        raise FieldError(RowError("invalid_value", prefix + problem, param))
+    return params

@@ -1,0 +1,111 @@
+"""Resumable Parquet output: part files, then one atomic commit.
+
+While the job runs, each flush writes ``<output>.parts/part-NNNNNN.parquet`` under a temporary
+name and renames it into place, so a part is either whole or absent. Parts carry the input row
+number (``ROW_COLUMN``); the commit sorts by it, so the output lists rows in input order, writes
+``<output>`` the same atomic way and removes the parts. ``--resume`` reads the row numbers of the
+parts (or, after a completed run, of the output itself) as done.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.io.parquet import OUTPUT_COLUMNS
+from batchgen.io.request import Request, RowKey
+
+if TYPE_CHECKING:
+    from batchgen.outputs import RequestOutput
+
+ROW_COLUMN = "__batchgen_row__"
+
+
+def parts_dir(output: Path) -> Path:
+    return output.with_name(output.name + ".parts")
+
+
+class ParquetSink:
+    flush_rows = 1024
+
+    def __init__(self, path: Path, input_schema: pa.Schema, *, resume: bool) -> None:
+        self.path, self.parts = path, parts_dir(path)
+        self.schema = pa.schema([*input_schema, *OUTPUT_COLUMNS, (ROW_COLUMN, pa.int64())])
+        self._rows: list[dict[str, Any]] = []
+        self.done: set[RowKey] = set()
+        if not resume:
+            shutil.rmtree(self.parts, ignore_errors=True)
+        elif not self.parts.is_dir() and path.exists():
+            self._adopt_output()
+        self.parts.mkdir(parents=True, exist_ok=True)
+        for tmp in self.parts.glob(".*.tmp"):
+            tmp.unlink()  # a part the last run was killed while writing
+        self._next = 0
+        for part in sorted(self.parts.glob("part-*.parquet")):
+            self.done.update(pq.read_table(part, columns=[ROW_COLUMN])[ROW_COLUMN].to_pylist())
+            self._next = int(part.stem.split("-")[1]) + 1
+
+    @property
+    def pending(self) -> int:
+        return len(self._rows)
+
+    def add_result(self, req: Request, out: RequestOutput) -> None:
+        self._rows.append({**req.columns, "generated_text": out.text,
+                           "num_generated_tokens": out.num_generated_tokens,
+                           "finish_reason": out.finish_reason, "error": None,
+                           ROW_COLUMN: req.number})
+
+    def add_error(self, req: Request) -> None:
+        assert req.error is not None
+        self._rows.append({**req.columns, "generated_text": None, "num_generated_tokens": 0,
+                           "finish_reason": "error", "error": req.error.message,
+                           ROW_COLUMN: req.number})
+
+    def flush(self) -> None:
+        if self._rows:
+            table = pa.Table.from_pylist(self._rows, schema=self.schema)
+            _write_atomic(table, self.parts / f"part-{self._next:06d}.parquet")
+            self._next += 1
+            self._rows.clear()
+
+    def commit(self) -> None:
+        """Merge the parts into the output file, in input row order."""
+        self.flush()
+        files = sorted(self.parts.glob("part-*.parquet"))
+        tables = [pq.read_table(f, schema=self.schema) for f in files]
+        table = pa.concat_tables(tables) if tables else self.schema.empty_table()
+        table = table.sort_by(ROW_COLUMN).drop_columns([ROW_COLUMN])
+        _write_atomic(table, self.path)
+        shutil.rmtree(self.parts)
+
+    def close(self) -> None:
+        """Keep what is finished as parts; the output stays resumable."""
+        self.flush()
+
+    def _adopt_output(self) -> None:
+        # A completed output lists rows in input order: row numbers are positions.
+        table = pq.read_table(self.path)
+        table = table.append_column(ROW_COLUMN, pa.array(range(table.num_rows), pa.int64()))
+        self.parts.mkdir(parents=True)
+        _write_atomic(table.cast(self.schema), self.parts / "part-000000.parquet")
+
+
+def _write_atomic(table: pa.Table, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

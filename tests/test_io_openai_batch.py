@@ -1,0 +1,161 @@
+"""OpenAI batch JSONL parsing and output records (no engine needed: a real tokenizer only)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchgen.demo import EOS_ID, build_demo_model, train_tokenizer
+from batchgen.io.openai_batch import OpenAIBatchReader, error_record, record_key, success_record
+from batchgen.io.request import Request
+from batchgen.io.rows import RowContext
+from batchgen.outputs import RequestOutput
+from batchgen.tokenizer import Tokenizer
+
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory: pytest.TempPathFactory) -> RowContext:
+    model = build_demo_model(tmp_path_factory.getbasetemp() / "io-tiny-model", **TINY)
+    tok = Tokenizer.from_dir(model, [EOS_ID])
+    assert tok is not None
+    return RowContext(tok, tok.vocab_size, MAX_LEN, {"max_tokens": 8})
+
+
+TINY: dict[str, Any] = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                            num_experts=4, top_k=2, intermediate_size=64, vocab_size=320,
+                            max_position_embeddings=MAX_LEN, dtype="float32")
+
+
+def _line(cid: str | None = "r", url: str = "/v1/completions", **body: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {"method": "POST", "url": url, "body": body}
+    if cid is not None:
+        d["custom_id"] = cid
+    return d
+
+
+def _parse(tmp_path: Path, ctx: RowContext, lines: list[Any]) -> list[Request]:
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return list(OpenAIBatchReader(path, ctx).requests())
+
+
+def test_valid_completion_and_chat(tmp_path: Path, ctx: RowContext) -> None:
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    reqs = _parse(tmp_path, ctx, [
+        _line("a", prompt="Hello world", max_tokens=5, temperature=0, model="anything"),
+        _line("b", url="/v1/chat/completions", messages=msgs, max_completion_tokens=3, top_k=4),
+        _line("c", prompt=[5, 6, 7], seed=3, stop=["\n"], logprobs=2, stream=False, n=1),
+    ])
+    assert [r.error for r in reqs] == [None, None, None]
+    a, b, c = reqs
+    assert a.key == ("id", "a") and not a.chat
+    assert a.prompt_token_ids == ctx.tokenizer.encode("Hello world")
+    assert (a.params.max_tokens, a.params.temperature) == (5, 0)
+    text = ctx.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}])
+    assert b.chat and b.prompt_token_ids == ctx.tokenizer.encode(text, add_special_tokens=False)
+    assert (b.params.max_tokens, b.params.top_k) == (3, 4)
+    assert c.prompt_token_ids == [5, 6, 7] and c.params.max_tokens == 8  # the job default
+    assert (c.params.seed, c.params.stop, c.params.logprobs) == (3, ["\n"], 2)
+
+
+BAD_LINES: list[tuple[Any, str, list[str]]] = [
+    ("{not json", "invalid_json", ["not valid JSON", "{not json"]),
+    ("[1, 2]", "invalid_json", ["[1, 2]"]),
+    (_line(None, prompt="x"), "missing_custom_id", ["custom_id", "missing"]),
+    (_line(7, prompt="x"), "missing_custom_id", ["custom_id=7"]),  # type: ignore[arg-type]
+    ({**_line(prompt="x"), "method": "GET"}, "invalid_method", ["method='GET'"]),
+    (_line(url="/v1/embeddings", prompt="x"), "invalid_url", ["url='/v1/embeddings'"]),
+    ({"custom_id": "r", "method": "POST", "url": "/v1/completions"}, "missing_body", ["body"]),
+    ({**_line(), "body": "hi"}, "invalid_body", ["body='hi'"]),
+    (_line(max_tokens=4), "invalid_prompt", ["body.prompt", "missing"]),
+    (_line(prompt=""), "invalid_prompt", ["body.prompt", "''"]),
+    (_line(prompt=[]), "invalid_prompt", ["body.prompt", "[]"]),
+    (_line(prompt=[1, 99999]), "invalid_prompt", ["body.prompt", "99999"]),
+    (_line(prompt="word " * 200), "prompt_too_long", ["body.prompt", str(MAX_LEN)]),
+    (_line(prompt="x", max_tokens=-1), "invalid_value", ["body.max_tokens", "-1"]),
+    (_line(prompt="x", temperature="hot"), "invalid_value", ["body.temperature", "'hot'"]),
+    (_line(prompt="x", top_p=7), "invalid_value", ["body.top_p", "7"]),
+    (_line(prompt="x", temprature=1), "unknown_field", ["body.temprature", "'temperature'"]),
+    (_line(prompt="x", n=2), "invalid_value", ["body.n", "2"]),
+    (_line(prompt="x", stream=True), "unsupported_value", ["body.stream=True"]),
+    (_line(url="/v1/chat/completions", messages="hi"), "invalid_prompt",
+     ["body.messages", "'hi'"]),
+    (_line(url="/v1/chat/completions", messages=[{"content": "x"}]), "invalid_prompt",
+     ["body.messages[0]", "role"]),
+]
+
+
+@pytest.mark.parametrize("line,code,named", BAD_LINES, ids=[c for _, c, _ in BAD_LINES])
+def test_bad_line_is_an_error_naming_line_field_value(tmp_path: Path, ctx: RowContext,
+                                                      line: Any, code: str,
+                                                      named: list[str]) -> None:
+    good = _line("ok", prompt="fine")
+    reqs = _parse(tmp_path, ctx, [good, line, {**good, "custom_id": "ok2"}])
+    assert [r.is_valid for r in reqs] == [True, False, True]
+    err = reqs[1].error
+    assert err is not None and err.code == code
+    assert err.message.startswith("line 2: ")
+    for part in named:
+        assert part in err.message
+    record = error_record(reqs[1])
+    assert record["response"]["status_code"] == 400
+    assert record["error"]["line"] == 2 and record["error"]["code"] == code
+
+
+def test_no_chat_template_is_a_row_error(tmp_path: Path, ctx: RowContext) -> None:
+    plain = train_tokenizer(tmp_path / "plain", vocab_size=TINY["vocab_size"], chat_template=False)
+    bare = RowContext(Tokenizer.from_dir(plain, [EOS_ID]), ctx.vocab_size, MAX_LEN)
+    [req] = _parse(tmp_path, bare, [_line(url="/v1/chat/completions",
+                                          messages=[{"role": "user", "content": "hi"}])])
+    assert req.error is not None and "chat_template" in req.error.message
+    assert req.error.message.startswith("line 1: body.messages")
+
+
+def test_duplicate_custom_id_second_is_the_error(tmp_path: Path, ctx: RowContext) -> None:
+    reqs = _parse(tmp_path, ctx, [_line("a", prompt="x"), _line("b", prompt="y"),
+                                  _line("a", prompt="z")])
+    assert [r.key for r in reqs] == [("id", "a"), ("id", "b"), ("line", 3)]
+    assert reqs[0].is_valid and not reqs[2].is_valid
+    assert "already used on line 1" in reqs[2].error.message  # type: ignore[union-attr]
+    # The duplicate's record keeps the custom_id but resumes by line.
+    rec = error_record(reqs[2])
+    assert rec["custom_id"] == "a" and record_key(rec) == ("line", 3)
+
+
+def test_skip_keys_and_blank_lines(tmp_path: Path, ctx: RowContext) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps(_line("a", prompt="x")) + "\n\n{bad\n"
+                    + json.dumps(_line("a", prompt="y")) + "\n" + json.dumps(_line("b", prompt="z")))
+    reader = OpenAIBatchReader(path, ctx)
+    assert reader.count() == 4
+    all_keys = [r.key for r in reader.requests()]
+    assert all_keys == [("id", "a"), ("line", 3), ("line", 4), ("id", "b")]
+    assert [r.key for r in reader.requests({("id", "a"), ("line", 4)})] == [("line", 3), ("id", "b")]
+
+
+def test_success_record_shapes(ctx: RowContext) -> None:
+    out = RequestOutput(index=0, prompt_token_ids=[1, 2, 3], token_ids=[40, 41], text="ab",
+                        finish_reason="length", logprobs=[{40: -0.1, 7: -2.0}, {41: -0.2}])
+    comp = Request(key=("id", "c1"), where="line 1", number=1, custom_id="c1")
+    rec = success_record(comp, out, "tiny", ctx.tokenizer)
+    assert rec["id"].startswith("batch_req_") and rec["custom_id"] == "c1"
+    assert rec["error"] is None and rec["response"]["status_code"] == 200
+    body = rec["response"]["body"]
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    choice = body["choices"][0]
+    assert (choice["index"], choice["text"], choice["finish_reason"]) == (0, "ab", "length")
+    assert choice["logprobs"]["token_logprobs"] == [-0.1, -0.2]
+    assert len(choice["logprobs"]["top_logprobs"][0]) == 2
+    chat = Request(key=("id", "c2"), where="line 2", number=2, custom_id="c2", chat=True)
+    body = success_record(chat, out, "tiny", ctx.tokenizer)["response"]["body"]
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]] == [-0.1, -0.2]
+    assert record_key(rec) == ("id", "c1")
