@@ -17,6 +17,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .errors import RequestError
+from .models.loader import generation_eos_ids
 from .models.model import Model
 from .outputs import RequestOutput
 from .runtime.executor import Executor
@@ -41,8 +42,9 @@ class Engine:
         self.model = Model.load(path, self.config.dtype, self.config.device)
         spec = self.model.spec
         self.model_dir = path
-        self.tokenizer = Tokenizer.from_dir(path, list(spec.eos_token_ids))
-        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else list(spec.eos_token_ids)
+        self.tokenizer = Tokenizer.from_dir(path, generation_eos_ids(path, spec.eos_token_ids))
+        self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer
+                              else generation_eos_ids(path, spec.eos_token_ids))
         self.vocab_size = spec.vocab_size
         self.max_model_len = min(self.config.max_model_len or spec.max_position_embeddings,
                                  spec.max_position_embeddings)

@@ -105,7 +105,7 @@ def _layer_types(cfg: Config, default: Callable[[int], bool]) -> list[bool]:
 
 
 def _qwen_sparse(cfg: Config, i: int) -> bool:
-    return (i not in (cfg.get("mlp_only_layers") or [])) and cfg.get("num_experts", 0) > 0 and \
+    return (i not in (cfg.get("mlp_only_layers") or [])) and (cfg.get("num_experts") or 0) > 0 and \
         (i + 1) % int(cfg.get("decoder_sparse_step", 1)) == 0
 
 
@@ -138,7 +138,7 @@ def _mixtral(cfg: Config) -> ModelSpec:
 
 def _qwen_moe(cfg: Config) -> ModelSpec:
     mt = cfg["model_type"]
-    router = RouterSpec(num_experts=int(cfg.get("num_experts", 0)), top_k=int(cfg.get("num_experts_per_tok", 1)),
+    router = RouterSpec(num_experts=int(cfg.get("num_experts") or 0), top_k=int(cfg.get("num_experts_per_tok", 1)),
                         norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "qwen3_moe")))
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
     moe = MoESpec(router, intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
@@ -218,6 +218,8 @@ def _deepseek(cfg: Config) -> ModelSpec:
     return ModelSpec(**_common(cfg), rope=rope, layers=layers)
 
 
+_EXPERT_ALIASES = ("num_experts", "num_local_experts", "n_routed_experts")
+
 FAMILIES: dict[str, Callable[[Config], ModelSpec]] = {
     "llama": _llama_like,
     "qwen2": _llama_like,
@@ -239,6 +241,12 @@ def parse_config(cfg: Config) -> ModelSpec:
             f"model_type {mt!r} (architectures {arch}) is not supported; supported: {sorted(FAMILIES)}")
     if cfg.get("quantization_config"):
         raise UnsupportedModelError("quantized checkpoints (quantization_config) are not supported")
+    cfg = dict(cfg)
+    # transformers' attribute_map lets a config.json spell the expert count several ways
+    experts = next((cfg[k] for k in _EXPERT_ALIASES if cfg.get(k) is not None), None)
+    for key in _EXPERT_ALIASES:
+        if cfg.get(key) is None and experts is not None:
+            cfg[key] = experts
     try:
         return FAMILIES[mt](cfg)
     except (KeyError, TypeError, ValueError) as exc:

@@ -183,3 +183,16 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 def load_spec(model_dir: Path) -> tuple[dict[str, Any], ModelSpec]:
     cfg = read_config(model_dir)
     return cfg, parse_config(cfg)
+
+
+def generation_eos_ids(model_dir: Path, config_eos: tuple[int, ...]) -> list[int]:
+    """Stop ids: config.json's eos_token_id plus generation_config.json's (chat models list several)."""
+    ids = list(config_eos)
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+        ids += eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
+    return list(dict.fromkeys(ids))
