@@ -16,19 +16,26 @@ from .spec import MLASpec
 from .weights import MLAWeights
 
 
+# transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
 def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbedding, batch: AttentionBatch,
                   cache: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, H] (already normed) -> [T, H]; writes the latent of this batch's tokens into cache [slots, W]."""
+    """x: [T, H] (already normed) -> [T, H]; writes the latent of this batch's tokens into cache [slots, W].
+
+    eps is the model's rms_norm_eps, unused here: the latent norms use LATENT_NORM_EPS.
+    """
     T, h = x.shape[0], a.num_heads
     nope, rope_dim, r = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
     if w.q is not None:
         q = F.linear(x, w.q)
     else:
-        q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, eps), w.q_b)
+        q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS), w.q_b)
     q = q.reshape(T, h, nope + rope_dim)
     q = torch.cat([q[..., :nope], rotary.apply(q[..., nope:], batch.positions)], dim=-1)
     latent, k_pe = F.linear(x, w.kv_a, w.kv_a_bias).split([r, rope_dim], dim=-1)
-    latent = rms_norm(latent, w.kv_a_norm, eps)
+    latent = rms_norm(latent, w.kv_a_norm, LATENT_NORM_EPS)
     k_pe = rotary.apply(k_pe.unsqueeze(1), batch.positions).squeeze(1)
     cache[batch.slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
 
