@@ -13,9 +13,13 @@ import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchgen.errors import BatchgenError
+
+if TYPE_CHECKING:
+    from batchgen.io.job import JobSummary
+    from batchgen.io.spec import JobSpec
 
 # (flag, SamplingParams field, type, help); unset flags keep SamplingParams' (vLLM's) defaults.
 _SAMPLING_FLAGS: list[tuple[str, str, Any, str]] = [
@@ -80,7 +84,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="float32", help="compute dtype (default: float32)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    g.add_argument("--chunk-size", type=int, default=256, metavar="N",
+    g.add_argument("--chunk-size", type=_positive, default=256, metavar="N",
                    help="rows handed to the engine at a time; bounds memory (default: 256)")
     g.add_argument("--progress", choices=["auto", "bar", "lines", "off"], default="auto",
                    help="progress on stderr: a bar on a terminal, periodic lines otherwise")
@@ -140,22 +144,12 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _execute(spec: Any, model: str | Path, args: argparse.Namespace) -> Any:
-    """Load the model, open the files, run; -> JobSummary."""
+def _execute(spec: JobSpec, model: str | Path, args: argparse.Namespace) -> JobSummary:
     from batchgen.engine import Engine
-    from batchgen.io.backend import EngineBackend
-    from batchgen.io.job import run_job
-    from batchgen.io.rows import RowContext
-    from batchgen.progress import Progress
+    from batchgen.io.job import run_file_job
 
-    if not Path(model).is_dir():
-        raise BatchgenError(f"--model {model}: no such directory")
-    engine = Engine(model, dtype=args.dtype, device=args.device)
-    ctx = RowContext(engine.tokenizer, engine.vocab_size, engine.max_model_len, spec.defaults)
-    reader, sink = spec.open(ctx, model=Path(model).name)
-    with Progress(reader.count(), initial=len(sink.done), mode=args.progress) as progress:
-        return run_job(reader.requests(sink.done), sink, EngineBackend(engine),
-                       chunk_size=args.chunk_size, progress=progress)
+    engine = Engine(model, dtype=args.dtype, device=args.device)  # ModelLoadError: exit 2
+    return run_file_job(spec, engine, chunk_size=args.chunk_size, progress=args.progress)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -168,8 +162,8 @@ def _demo(args: argparse.Namespace) -> int:
         spec = JobSpec(input=src, output=args.output, overwrite=True)
         spec.check()
         summary = _execute(spec, model, args)
-        prompts = {r["custom_id"]: r["body"] for r in map(json.loads, src.open())}
-    for record in list(map(json.loads, args.output.open()))[:4]:
+        prompts = {r["custom_id"]: r["body"] for r in map(json.loads, _lines(src))}
+    for record in list(map(json.loads, _lines(args.output)))[:4]:
         body = prompts[record["custom_id"]]
         asked = body.get("prompt") or body["messages"][-1]["content"]
         choice = record["response"]["body"]["choices"][0]
@@ -177,6 +171,17 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"{record['custom_id']}: {asked!r}\n  -> {answer!r}")
     print(f"batchgen demo: wrote {args.output}: {summary.describe()}")
     return 0
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":

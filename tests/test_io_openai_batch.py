@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from batchgen.demo import EOS_ID, build_demo_model, train_tokenizer
+from batchgen.demo import EOS_ID, train_tokenizer
 from batchgen.io.openai_batch import OpenAIBatchReader, error_record, record_key, success_record
 from batchgen.io.request import Request
 from batchgen.io.rows import RowContext
@@ -17,17 +17,15 @@ from batchgen.tokenizer import Tokenizer
 MAX_LEN = 128
 
 
+VOCAB = 320
+
+
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory: pytest.TempPathFactory) -> RowContext:
-    model = build_demo_model(tmp_path_factory.getbasetemp() / "io-tiny-model", **TINY)
-    tok = Tokenizer.from_dir(model, [EOS_ID])
+    tok = Tokenizer.from_dir(train_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=VOCAB),
+                             [EOS_ID])
     assert tok is not None
     return RowContext(tok, tok.vocab_size, MAX_LEN, {"max_tokens": 8})
-
-
-TINY: dict[str, Any] = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                            num_experts=4, top_k=2, intermediate_size=64, vocab_size=320,
-                            max_position_embeddings=MAX_LEN, dtype="float32")
 
 
 def _line(cid: str | None = "r", url: str = "/v1/completions", **body: Any) -> dict[str, Any]:
@@ -109,7 +107,7 @@ def test_bad_line_is_an_error_naming_line_field_value(tmp_path: Path, ctx: RowCo
 
 
 def test_no_chat_template_is_a_row_error(tmp_path: Path, ctx: RowContext) -> None:
-    plain = train_tokenizer(tmp_path / "plain", vocab_size=TINY["vocab_size"], chat_template=False)
+    plain = train_tokenizer(tmp_path / "plain", vocab_size=VOCAB, chat_template=False)
     bare = RowContext(Tokenizer.from_dir(plain, [EOS_ID]), ctx.vocab_size, MAX_LEN)
     [req] = _parse(tmp_path, bare, [_line(url="/v1/chat/completions",
                                           messages=[{"role": "user", "content": "hi"}])])

@@ -13,13 +13,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from batchgen.io.backend import Backend
+from batchgen.io.backend import Backend, EngineBackend
 from batchgen.io.request import Request, RowError, RowKey
-from batchgen.progress import format_duration
+from batchgen.io.rows import RowContext
+from batchgen.progress import Mode, Progress
 
 if TYPE_CHECKING:
+    from batchgen.engine import Engine
+    from batchgen.io.spec import JobSpec
     from batchgen.outputs import RequestOutput
-    from batchgen.progress import Progress
 
 
 class Sink(Protocol):
@@ -56,11 +58,22 @@ class JobSummary:
     def describe(self) -> str:
         text = (f"{self.rows} rows: {self.succeeded} succeeded, {self.errors} errors"
                 + (f" ({self.resumed} already done before this run)" if self.resumed else "")
-                + f"; {self.generated_tokens} tokens generated in "
-                f"{format_duration(self.wall_s)} ({self.tokens_per_s:,.1f} tok/s)")
+                + f"; {self.generated_tokens} tokens generated in {self.wall_s:.1f} s "
+                f"({self.tokens_per_s:,.1f} tok/s)")
         if self.errors:
             text += "\nsome rows failed: their error records say why (line/row, field, value)"
         return text
+
+
+def run_file_job(spec: JobSpec, engine: Engine, *, chunk_size: int = 256,
+                 progress: Mode = "auto", backend: Backend | None = None) -> JobSummary:
+    """Run ``spec``'s input file on ``engine`` (or ``backend``, which then does the work while
+    ``engine`` provides the tokenizer and limits). Call ``spec.check()`` first."""
+    ctx = RowContext(engine.tokenizer, engine.vocab_size, engine.max_model_len, spec.defaults)
+    reader, sink = spec.open(ctx, model=engine.model_dir.name)
+    with Progress(reader.count(), initial=len(sink.done), mode=progress) as bar:
+        return run_job(reader.requests(sink.done), sink, backend or EngineBackend(engine),
+                       chunk_size=chunk_size, progress=bar)
 
 
 def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,

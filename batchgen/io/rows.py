@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchgen.errors import RequestError
 from batchgen.io.params import FieldError, make_params
-from batchgen.io.request import Request, show
+from batchgen.io.request import Request, RowError, show
 from batchgen.runtime.requests import check_length, prompt_to_ids
 
 if TYPE_CHECKING:
@@ -45,14 +45,14 @@ def set_prompt(req: Request, value: Any, param: str, ctx: RowContext) -> None:
         ids = (_chat_ids(value, ctx) if req.chat
                else prompt_to_ids(value, ctx.tokenizer, ctx.vocab_size))
     except RequestError as exc:
-        req.fail("invalid_prompt", _renamed(str(exc), param), param)
+        req.fail_with(RowError("invalid_prompt", _renamed(str(exc), param), param))
         return
     try:
         # The engine's own check; a pool as large as the context skips its KV-pool clause,
         # which only the engine can judge.
         check_length(len(ids), req.params, ctx.max_model_len, ctx.max_model_len)
     except RequestError as exc:
-        req.fail("prompt_too_long", _renamed(str(exc), param), param)
+        req.fail_with(RowError("prompt_too_long", _renamed(str(exc), param), param))
         return
     req.prompt_token_ids = ids
 
