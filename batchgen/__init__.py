@@ -1,15 +1,37 @@
-"""batchgen: batch (offline) inference of Mixture-of-Experts LLMs, built on Dask."""
+"""batchgen: batch (offline) inference of Mixture-of-Experts LLMs, built on Dask.
+
+Names load lazily, so the torch-free parts (batchgen.runtime.policy, .sequence, .kv_cache,
+batchgen.sampling_params) import without pulling in torch.
+"""
 from __future__ import annotations
 
-from .config import EngineConfig
-from .engine import Engine
-from .errors import BatchgenError, ModelLoadError, RequestError, StateError, UnsupportedModelError
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BatchgenError", "Engine", "EngineConfig", "ModelLoadError", "RequestError", "RequestOutput",
-    "SamplingParams", "StateError", "UnsupportedModelError",
-]
+_EXPORTS = {
+    "Engine": "batchgen.engine",
+    "EngineConfig": "batchgen.config",
+    "RequestOutput": "batchgen.outputs",
+    "SamplingParams": "batchgen.sampling_params",
+    "BatchgenError": "batchgen.errors",
+    "ModelLoadError": "batchgen.errors",
+    "RequestError": "batchgen.errors",
+    "StateError": "batchgen.errors",
+    "UnsupportedModelError": "batchgen.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'batchgen' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -27,12 +27,18 @@ class EngineConfig:
     # (context included); the MoE stage of each layer runs once on all micro-batches combined.
     # None: attention runs on the whole forward batch at once.
     attention_kv_tokens: int | None = None
+    # evicted coroutines keep their KV in host memory (up to this many bytes) when copying it
+    # back beats recomputing it at host_link_bytes_per_s; 0 always recomputes
+    swap_space_bytes: int = 4 << 30
+    host_link_bytes_per_s: int = 10_000_000_000
     # migrate: a coroutine's KV travels when sending it beats recomputing it at this link speed
     kv_link_bytes_per_s: int = 1_000_000_000
     seed: int = 0  # draws the seeds of requests that set none
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_bytes", "kv_link_bytes_per_s", "max_num_seqs", "max_num_batched_tokens"):
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            raise ValueError(f"EngineConfig.swap_space_bytes must be an integer >= 0, got {self.swap_space_bytes!r}")
+        for name in ("block_size", "kv_cache_bytes", "kv_link_bytes_per_s", "host_link_bytes_per_s", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")

@@ -22,7 +22,7 @@ from .models.model import Model
 from .outputs import RequestOutput
 from .runtime.executor import Executor
 from .runtime.kv_cache import BlockAllocator
-from .runtime.policy import Scheduler, SchedulerConfig
+from .runtime.policy import Scheduler, SchedulerConfig, prefer_transfer
 from .runtime.requests import check_length, check_params, prompt_to_ids
 from .runtime.sequence import SeqId, SeqStatus, Sequence
 from .runtime.stats import RuntimeStats
@@ -61,6 +61,8 @@ class Engine:
         self._ids = itertools.count()
         self._rng = random.Random(self.config.seed)
         self._busy_s = 0.0
+        self._host_kv: dict[SeqId, Any] = {}  # swapped-out KV [layers, tokens, W] on the host
+        self._host_kv_bytes = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, index: int = 0) -> SeqId:
@@ -91,6 +93,12 @@ class Engine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.evicted)
+        for ev in plan.evicted:
+            self._maybe_swap_out(ev.seq, ev.blocks, ev.num_computed)
+        for seq in plan.swapped_in:
+            kv = self._host_kv.pop(seq.seq_id)
+            self._host_kv_bytes -= kv.numel() * kv.element_size()
+            self.executor.write_kv(seq.block_ids, kv)
         if not plan:
             return self._unblock()
         for item in plan.scheduled:
@@ -105,17 +113,35 @@ class Engine:
                             [s.output_ids for s in seqs], self.eos_token_ids)
             for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
                 if self._append_token(seq, tok, lp):
-                    self.scheduler.release(seq)
+                    self._release(seq)
                     finished.append(seq)
         self._busy_s += time.perf_counter() - t0
         return finished
+
+    def _maybe_swap_out(self, seq: Sequence, blocks: list[int], num_computed: int) -> None:
+        """Keep an evicted coroutine's KV in host memory when that beats recomputing it."""
+        nbytes = num_computed * self.model.kv_bytes_per_token()
+        if self._host_kv_bytes + nbytes > self.config.swap_space_bytes or not prefer_transfer(
+                num_computed, nbytes, self.config.host_link_bytes_per_s, self.recompute_tokens_per_s()):
+            return
+        self._host_kv[seq.seq_id] = self.executor.read_kv(blocks, num_computed)
+        self._host_kv_bytes += nbytes
+        seq.num_swapped = num_computed
+        seq.transition(SeqStatus.SWAPPED, "evict:swap-out")
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.release(seq)
+        kv = self._host_kv.pop(seq.seq_id, None)
+        if kv is not None:
+            self._host_kv_bytes -= kv.numel() * kv.element_size()
+        seq.num_swapped = 0
 
     def _unblock(self) -> list[Sequence]:
         """Nothing could be scheduled: the head of the queue can never fit the pool alone."""
         if self.scheduler.running or not self.scheduler.waiting:
             return []
         seq = self.scheduler.waiting[0]
-        self.scheduler.release(seq)
+        self._release(seq)
         seq.finish("error", f"sequence of {seq.num_tokens} tokens does not fit the KV pool "
                             f"({self.allocator.capacity_tokens} tokens)")
         return [seq]
@@ -219,8 +245,10 @@ class Engine:
             with_kv = self.codec.prefer_kv(seq.num_computed, self.recompute_tokens_per_s())
         if with_kv and seq.num_computed and seq.block_ids:
             kv = self.executor.read_kv(seq.block_ids, seq.num_computed)
+        elif with_kv and seq.num_swapped:
+            kv = self._host_kv[seq_id]
         if not seq.is_finished:
-            self.scheduler.release(seq)
+            self._release(seq)
         return self.codec.encode(seq, kv)
 
     def resume(self, state: bytes) -> SeqId:

@@ -42,9 +42,20 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
+class Evicted:
+    """A sequence pushed out of the pool this step; its KV still sits in `blocks` until the
+    next forward writes there, so the engine may copy it to host memory first."""
+
+    seq: Sequence
+    blocks: list[int]
+    num_computed: int
+
+
+@dataclass(slots=True)
 class Plan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    evicted: list[Sequence] = field(default_factory=list)
+    evicted: list[Evicted] = field(default_factory=list)
+    swapped_in: list[Sequence] = field(default_factory=list)  # need their host KV written back
 
     @property
     def num_tokens(self) -> int:
@@ -95,12 +106,15 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.free(seq.drop_kv())
 
-    def evict(self, seq: Sequence, reason: str) -> None:
+    def evict(self, seq: Sequence, reason: str) -> Evicted:
         self.running.remove(seq)
-        self.allocator.free(seq.drop_kv())
+        computed = seq.num_computed
+        blocks = seq.drop_kv()
+        self.allocator.free(blocks)
         seq.num_preemptions += 1
         seq.transition(SeqStatus.WAITING, reason)
         self.waiting.appendleft(seq)
+        return Evicted(seq, blocks, computed)
 
     def schedule(self) -> Plan:
         plan, budget = Plan(), self.config.max_num_batched_tokens
@@ -112,8 +126,7 @@ class Scheduler:
             while not self.allocator.can_allocate(need):
                 unscheduled = self.running[i:]
                 victim = pick_victim(unscheduled, self.config.eviction) if len(unscheduled) > 1 else seq
-                self.evict(victim, "evict:kv-pool-full")
-                plan.evicted.append(victim)
+                plan.evicted.append(self.evict(victim, "evict:kv-pool-full"))
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
@@ -126,13 +139,17 @@ class Scheduler:
             return plan  # admitting now would only thrash the pool
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            need = self.allocator.extra_blocks(len(seq.block_ids), seq.num_computed + n)
+            restored = seq.num_swapped  # tokens whose KV comes back from host memory
+            n = min(seq.num_tokens - restored, budget)
+            need = self.allocator.extra_blocks(len(seq.block_ids), restored + n)
             if not self.allocator.can_allocate(need):
                 break
             self.waiting.popleft()
             seq.block_ids += self.allocator.allocate(need)
-            seq.transition(SeqStatus.RUNNING, "admit")
+            if restored:
+                seq.num_computed, seq.num_swapped = restored, 0
+                plan.swapped_in.append(seq)
+            seq.transition(SeqStatus.RUNNING, "admit:swap-in" if restored else "admit")
             self.running.append(seq)
             plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
@@ -160,3 +177,16 @@ def split_micro_batches(scheduled: list[ScheduledSeq], kv_token_budget: int | No
     if current:
         groups.append(current)
     return groups
+
+
+def prefer_transfer(num_tokens: int, kv_bytes: int, link_bytes_per_s: float, recompute_tokens_per_s: float) -> bool:
+    """Move a coroutine's KV (to host memory, or to another engine) rather than recompute it?
+
+    Compares the time to move kv_bytes over the link with the time to recompute num_tokens at
+    the engine's measured rate; with nothing measured yet, moving wins (it is at worst a copy).
+    """
+    if num_tokens == 0:
+        return False
+    if recompute_tokens_per_s <= 0:
+        return True
+    return kv_bytes / link_bytes_per_s < num_tokens / recompute_tokens_per_s

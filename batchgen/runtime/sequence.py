@@ -51,6 +51,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
+    num_swapped: int = 0  # tokens whose KV waits in host memory (status SWAPPED)
     block_ids: list[int] = field(default_factory=list)
     yield_point: YieldPoint = STEP
     finish_reason: str | None = None
@@ -96,6 +97,8 @@ class Sequence:
         self.transition(SeqStatus.FINISHED, f"finish:{why or reason}")
 
     def drop_kv(self) -> list[int]:
-        """Forget the cache (recompute later); returns the blocks to free."""
+        """Forget the cache (recompute later, unless swapped out); returns the blocks to free."""
         blocks, self.block_ids, self.num_computed = self.block_ids, [], 0
         return blocks
+
+

@@ -13,11 +13,12 @@ import torch
 
 from ..errors import StateError
 from ..models.model import Model
+from .policy import prefer_transfer
 from .sequence import STEP, SeqId, SeqStatus, Sequence
 
 _VERSION = 1
 # Fields that belong to the engine holding the sequence, not to the coroutine.
-_LOCAL = {"seq_id", "block_ids", "num_computed", "status", "yield_point"}
+_LOCAL = {"seq_id", "block_ids", "num_computed", "num_swapped", "status", "yield_point"}
 
 
 class CoroutineCodec:
@@ -30,12 +31,8 @@ class CoroutineCodec:
 
     def prefer_kv(self, num_tokens: int, recompute_tokens_per_s: float) -> bool:
         """Send the KV when moving its bytes is faster than recomputing its tokens."""
-        if num_tokens == 0:
-            return False
-        if recompute_tokens_per_s <= 0:
-            return True  # nothing measured yet; sending is at worst a copy
-        send_s = num_tokens * self.model.kv_bytes_per_token() / self.link_bytes_per_s
-        return send_s < num_tokens / recompute_tokens_per_s
+        return prefer_transfer(num_tokens, num_tokens * self.model.kv_bytes_per_token(), self.link_bytes_per_s,
+                               recompute_tokens_per_s)
 
     def encode(self, seq: Sequence, kv: torch.Tensor | None) -> bytes:
         state: dict[str, Any] = {f.name: getattr(seq, f.name) for f in fields(Sequence) if f.name not in _LOCAL}

@@ -1,0 +1,106 @@
+"""The sequence coroutine runtime: suspend/resume across engines, expert-level batching, swap."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import tiny_models
+
+from batchgen import Engine, SamplingParams, StateError
+from batchgen.runtime.sequence import SeqStatus
+
+GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=14, temperature=0.8, top_k=50, seed=1234, ignore_eos=True)
+
+
+def run_to_end(engine: Engine, seq_id) -> list[int]:
+    while not engine.get(seq_id).is_finished:
+        engine.step()
+    return engine.pop_output(seq_id).token_ids
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "llama", "deepseek_v3"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("with_kv", [True, False], ids=["kv-travels", "recompute"])
+def test_suspend_pickle_resume_elsewhere_is_exact(arch: str, params: SamplingParams, with_kv: bool,
+                                                  checkpoint_factory, prompt_ids) -> None:
+    model_dir = checkpoint_factory(arch)
+    prompts = prompt_ids[3:6]
+    expected = Engine(model_dir, block_size=8).generate(prompts, params)
+
+    first = Engine(model_dir, block_size=8)
+    ids = [first.add_request(p, params, index=i) for i, p in enumerate(prompts)]
+    while len(first.get(ids[1]).output_ids) < 5:
+        first.step()
+    moved = first.get(ids[1])
+    assert not moved.is_finished and moved.num_computed > 0
+    state = pickle.loads(pickle.dumps(first.suspend(ids[1], with_kv=with_kv)))
+    assert first.allocator.num_free + sum(len(first.get(i).block_ids) for i in (ids[0], ids[2])) \
+        == first.allocator.num_blocks  # the suspended coroutine's blocks came back at once
+    assert len(state) < 64_000 or with_kv
+
+    second = Engine(model_dir, block_size=8)
+    resumed = second.resume(state)
+    assert second.get(resumed).status is (SeqStatus.RUNNING if with_kv else SeqStatus.WAITING)
+    assert run_to_end(second, resumed) == expected[1].token_ids
+    assert [run_to_end(first, i) for i in (ids[0], ids[2])] == [expected[0].token_ids, expected[2].token_ids]
+    if arch == "llama" and params is GREEDY:
+        assert expected[1].token_ids == tiny_models.reference_generate(model_dir, prompts[1], 14, ignore_eos=True)
+
+
+def test_resume_refuses_another_models_state(checkpoint_factory, prompt_ids) -> None:
+    a = Engine(checkpoint_factory("mixtral"), block_size=8)
+    sid = a.add_request(prompt_ids[2], GREEDY)
+    a.step()
+    state = a.suspend(sid)
+    with pytest.raises(StateError, match="made for model"):
+        Engine(checkpoint_factory("olmoe"), block_size=8).resume(state)
+    with pytest.raises(StateError, match="not a batchgen coroutine"):
+        a.resume(b"garbage")
+
+
+def test_moe_batches_are_larger_than_attention_micro_batches(checkpoint_factory, prompt_ids) -> None:
+    """A KV budget of 48 tokens allows ~2 short sequences per attention call; the MoE stage of
+    each layer still runs once over every micro-batch's tokens."""
+    model_dir = checkpoint_factory("mixtral")
+    prompts = [p for p in tiny_models.mixed_prompts(model_dir, (5, 9, 13, 2, 7, 11, 3, 6) * 2)]
+    engine = Engine(model_dir, block_size=8, attention_kv_tokens=48)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    summary = engine.stats_summary()
+    assert summary["moe_batch_mean"] >= 4 * summary["attention_batch_mean"], summary
+    assert summary["tokens_per_expert_call_mean"] > 0
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == tiny_models.reference_generate(model_dir, p, 8)
+
+
+@pytest.mark.parametrize("swap_space_bytes, host_link", [(0, 10**10), (1 << 30, 10**12)],
+                         ids=["recompute", "host-swap"])
+def test_eviction_resumes_by_recompute_or_from_host_memory(checkpoint_factory, prompt_ids,
+                                                           swap_space_bytes: int, host_link: int) -> None:
+    model_dir = checkpoint_factory("deepseek_v2")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in Engine(model_dir, block_size=8).generate(prompt_ids, params)]
+    tight = Engine(model_dir, block_size=8, num_kv_blocks=40, swap_space_bytes=swap_space_bytes,
+                   host_link_bytes_per_s=host_link)
+    swapped = []
+    original = tight._maybe_swap_out
+
+    def spy(seq, blocks, n):  # record what the engine chose for each eviction
+        original(seq, blocks, n)
+        swapped.append(seq.status is SeqStatus.SWAPPED)
+
+    tight._maybe_swap_out = spy  # type: ignore[method-assign]
+    assert [o.token_ids for o in tight.generate(prompt_ids, params)] == expected
+    assert swapped and all(swapped) == bool(swap_space_bytes) and any(swapped) == bool(swap_space_bytes)
+    assert tight._host_kv == {} and tight._host_kv_bytes == 0
+
+
+def test_load_reports_remaining_work(checkpoint_factory, prompt_ids) -> None:
+    engine = Engine(checkpoint_factory("qwen2_moe"), block_size=8)
+    for p in prompt_ids[:4]:
+        engine.add_request(p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    before = engine.load()
+    assert before["waiting"] == 4 and before["remaining_tokens"] == 40
+    engine.step()
+    after = engine.load()
+    assert after["running"] == 4 and after["remaining_tokens"] == 36 and 0 < after["kv_used_fraction"] < 1
