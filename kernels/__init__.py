@@ -1,0 +1,25 @@
+"""batchgen_kernels: fused Mixture-of-Experts kernels (Triton on CUDA) and their plain-torch
+references, which are also the CPU path.
+
+Importing this package never imports triton; `fused_moe` does on first call and raises
+`TritonUnavailableError` (an ImportError) when it is missing.
+"""
+from __future__ import annotations
+
+from .config import get_config
+from .errors import KernelError, KernelInputError, TritonUnavailableError
+from .fused_moe import fused_moe, moe_align_triton, triton_available
+from .reference import fused_moe_reference, moe_align, moe_align_sizes
+
+__all__ = [
+    "KernelError",
+    "KernelInputError",
+    "TritonUnavailableError",
+    "fused_moe",
+    "fused_moe_reference",
+    "get_config",
+    "moe_align",
+    "moe_align_sizes",
+    "moe_align_triton",
+    "triton_available",
+]
