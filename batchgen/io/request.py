@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable
 
 if TYPE_CHECKING:
-    from batchgen.sampling import SamplingParams
+    from batchgen.sampling_params import SamplingParams
 
 # JSONL: ("id", custom_id) for a row with a usable custom_id, else ("line", line_no).
 # Parquet: the 0-based row number.
@@ -42,7 +42,7 @@ class Request:
     params: SamplingParams | None = None
     error: RowError | None = None
     custom_id: str | None = None  # JSONL only
-    chat: bool = False  # JSONL: /v1/chat/completions
+    chat: bool = False  # the prompt is chat messages, rendered by the chat template
     columns: dict[str, Any] = field(default_factory=dict)  # Parquet: the row's input columns
 
     @property
