@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from batchgen_kernels import fused_moe_reference
+from batchgen_kernels import fused_moe, fused_moe_reference, triton_available
 
 from .layers import mlp
 from .spec import MoESpec, RouterSpec
@@ -53,7 +53,8 @@ def moe(x: torch.Tensor, w: MoEWeights, spec: MoESpec,
     weights, ids = route(x, w.router, spec.router, w.correction_bias)
     if on_route is not None:
         on_route(ids)
-    out = fused_moe_reference(x, w.w13, w.w2, weights.to(x.dtype), ids)
+    experts = fused_moe if x.is_cuda and triton_available() else fused_moe_reference
+    out = experts(x, w.w13, w.w2, weights.to(x.dtype), ids)
     if w.shared is not None:
         shared = mlp(x, w.shared)
         if w.shared_gate is not None:
