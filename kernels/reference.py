@@ -104,9 +104,11 @@ def fused_moe_reference(
     Reads the per-expert counts on the host (a sync on GPU): meant for CPU.
     """
     T, K, E, N, A = check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
-    out = x.new_zeros(T, K)
     if T * A == 0:
-        return out
+        return x.new_zeros(T, K)
+    # Each expert writes its rows into their slots (a plain copy); one sum over A at the end.
+    # index_add_ into [T, K] instead serialises on CPU and was half of a decode step.
+    slot_out = x.new_zeros(T * A, K)
     flat = topk_ids.reshape(-1).long()
     key = torch.where((flat >= 0) & (flat < E), flat, E)
     order = torch.argsort(key, stable=True)  # [S] slots grouped by expert
@@ -123,6 +125,6 @@ def fused_moe_reference(
         gate_up = F.linear(x.index_select(0, tok), w13[e])  # [count, 2N]
         h = F.silu(gate_up[:, :N]).mul_(gate_up[:, N:])  # [count, N]
         y = F.linear(h, w2[e]).mul_(weights[start:end, None])  # [count, K]
-        out.index_add_(0, tok, y)
+        slot_out.index_copy_(0, order[start:end], y)
         start = end
-    return out
+    return slot_out.view(T, A, K).sum(dim=1)
