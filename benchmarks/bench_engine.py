@@ -4,6 +4,8 @@ Output lengths are lognormal (a few rows ~10x the median) and ignore_eos holds b
 same token counts. The transformers side does what users do: rows in input order, fixed batches,
 left padding, `max_new_tokens` = the longest row of the batch, each row then cut to its length.
 Reports tokens/s of useful tokens for both and their ratio (same process, same machine).
+Denormal floats are flushed to zero for both sides: random fp32 weights make left-padded
+transformers batches produce denormals that slow x86 CPUs by 10-30x, which would flatter us.
 
     python benchmarks/bench_engine.py [--rows 48] [--batch 16] [--attention-kv-tokens 512]
 """
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
+    torch.set_flush_denormal(True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_demo_model(Path(tmp) / "demo", dtype="float32")
         prompts, lengths = workload(args.rows, 1000, args.seed)
