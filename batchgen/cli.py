@@ -85,7 +85,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", help="compute dtype (default: float32)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     g.add_argument("--chunk-size", type=_positive, default=256, metavar="N",
-                   help="rows handed to the engine at a time; bounds memory (default: 256)")
+                   help="rows in the engine at once, topped up as rows finish; bounds memory (default: 256)")
     g.add_argument("--progress", choices=["auto", "bar", "lines", "off"], default="auto",
                    help="progress on stderr: a bar on a terminal, periodic lines otherwise")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterable, Iterator, Sequence as Seq
 from pathlib import Path
 from typing import Any
 
@@ -188,19 +188,36 @@ class Engine:
     def stream(self, prompts: Seq[Prompt], sampling: SamplingParams | Seq[SamplingParams] | None = None
                ) -> Iterator[tuple[int, RequestOutput]]:
         """Yield (input index, output) as each request finishes."""
-        params_list = self._broadcast(prompts, sampling)
-        mine: dict[SeqId, int] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            mine[self.add_request(prompt, params, index=i)] = i
-        for seq_id in list(mine):
-            seq = self._seqs[seq_id]
-            if seq.is_finished:
-                del mine[seq_id]
-                yield seq.request_index, self.output(self._seqs.pop(seq_id))
-        while mine:
+        return self.run_requests(zip(prompts, self._broadcast(prompts, sampling)), max_in_flight=None)
+
+    def run_requests(self, requests: Iterable[tuple[Prompt, SamplingParams]], max_in_flight: int | None = 1024
+                     ) -> Iterator[tuple[int, RequestOutput]]:
+        """Yield (position in `requests`, output) as each finishes, pulling requests lazily.
+
+        At most max_in_flight of them are in the engine at once (None: all), and the engine is
+        topped up as rows finish, so a file of millions of rows streams through in bounded
+        memory without the batch draining between chunks.
+        """
+        source = enumerate(requests)
+        mine: set[SeqId] = set()
+        exhausted = False
+        while True:
+            while not exhausted and (max_in_flight is None or len(mine) < max_in_flight):
+                nxt = next(source, None)
+                if nxt is None:
+                    exhausted = True
+                    break
+                index, (prompt, params) = nxt
+                seq_id = self.add_request(prompt, params, index=index)
+                if self._seqs[seq_id].is_finished:  # rejected at the door
+                    yield index, self.output(self._seqs.pop(seq_id))
+                else:
+                    mine.add(seq_id)
+            if not mine:
+                return
             for seq in self.step():
                 if seq.seq_id in mine:
-                    del mine[seq.seq_id]
+                    mine.discard(seq.seq_id)
                     yield seq.request_index, self.output(self._seqs.pop(seq.seq_id))
 
     def generate(self, prompts: Seq[Prompt], sampling: SamplingParams | Seq[SamplingParams] | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +93,9 @@ class _DiesAfter:
     def __init__(self, engine: Engine, n: int) -> None:
         self.inner, self.left = EngineBackend(engine), n
 
-    def submit(self, prompts: Sequence[list[int]],
-               params: Sequence[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
-        for item in self.inner.submit(prompts, params):
+    def run(self, requests: Iterable[tuple[list[int], SamplingParams]],
+            max_in_flight: int) -> Iterator[tuple[int, RequestOutput]]:
+        for item in self.inner.run(requests, max_in_flight):
             if self.left == 0:
                 raise KeyboardInterrupt
             self.left -= 1

@@ -1,12 +1,12 @@
 """Where a job's requests are generated: the seam between the job runner and the engine.
 
-The runner hands a backend one chunk at a time and writes each result as it comes back, so any
-backend that can ``submit`` a chunk and yield results in finishing order plugs in: the local
-``Engine`` now, a Dask cluster later.
+The runner hands a backend a lazy stream of requests and writes each result as it comes back, so
+any backend that can ``run`` such a stream with bounded rows in flight and yield results in
+finishing order plugs in.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -16,18 +16,19 @@ if TYPE_CHECKING:
 
 
 class Backend(Protocol):
-    def submit(self, prompts: Sequence[list[int]],
-               params: Sequence[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
-        """Generate one chunk; yield ``(index in the chunk, output)`` as each finishes."""
+    def run(self, requests: Iterable[tuple[list[int], SamplingParams]],
+            max_in_flight: int) -> Iterator[tuple[int, RequestOutput]]:
+        """Generate a stream of requests; yield ``(position in the stream, output)`` as each
+        finishes, pulling at most ``max_in_flight`` requests ahead of the finished ones."""
         ...
 
 
 class EngineBackend:
-    """Runs chunks on one in-process ``Engine``."""
+    """Runs on one in-process ``Engine``, topping it up as rows finish."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def submit(self, prompts: Sequence[list[int]],
-               params: Sequence[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
-        return self.engine.stream(list(prompts), list(params))
+    def run(self, requests: Iterable[tuple[list[int], SamplingParams]],
+            max_in_flight: int) -> Iterator[tuple[int, RequestOutput]]:
+        return self.engine.run_requests(requests, max_in_flight=max_in_flight)

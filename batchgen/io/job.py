@@ -1,13 +1,13 @@
 """The job runner: stream requests through a backend in chunks, write each row as it finishes.
 
-Memory stays bounded by the chunk size whatever the input's length: the reader parses lazily,
-a chunk's valid rows go to the backend together, and finished rows are written (and made
-durable by the sink's ``flush``) at least every ``flush_rows`` rows or ``flush_seconds``.
+Memory stays bounded whatever the input's length: the reader parses lazily, the backend pulls
+valid rows as it has room (at most ``chunk_size`` in flight, topped up as rows finish, so the
+batch never drains between chunks), and finished rows are written (and made durable by the
+sink's ``flush``) at least every ``flush_rows`` rows or ``flush_seconds``.
 Invalid rows are written as errors without reaching the backend.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from batchgen.engine import Engine
     from batchgen.io.spec import JobSpec
     from batchgen.outputs import RequestOutput
+    from batchgen.sampling_params import SamplingParams
 
 
 class Sink(Protocol):
@@ -96,29 +97,34 @@ def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
             sink.flush()
             last_flush = now
 
+    in_flight: dict[int, Request] = {}  # position in the backend's stream -> its row
+
+    def _written_if_invalid(req: Request) -> bool:
+        if req.is_valid:
+            return True
+        sink.add_error(req)
+        summary.errors += 1
+        wrote()
+        return False
+
+    def valid_requests() -> Iterator[tuple[list[int], SamplingParams]]:
+        """Invalid rows are written here and never reach the backend."""
+        for position, req in enumerate(r for r in requests if _written_if_invalid(r)):
+            in_flight[position] = req
+            yield req.prompt_token_ids, req.params  # type: ignore[misc]
+
     try:
-        for chunk in _chunks(requests, chunk_size):
-            valid = [r for r in chunk if r.is_valid]
-            for req in chunk:
-                if not req.is_valid:
-                    sink.add_error(req)
-                    summary.errors += 1
-                    wrote()
-            if not valid:
-                continue
-            outputs = backend.submit([r.prompt_token_ids for r in valid],  # type: ignore[misc]
-                                     [r.params for r in valid])  # type: ignore[misc]
-            for i, out in outputs:
-                req = valid[i]
-                if out.finish_reason == "error":
-                    req.fail_with(RowError("invalid_request", out.error or "generation failed"))
-                    sink.add_error(req)
-                    summary.errors += 1
-                else:
-                    sink.add_result(req, out)
-                    summary.succeeded += 1
-                    summary.generated_tokens += out.num_generated_tokens
-                wrote(1, out.num_generated_tokens)
+        for position, out in backend.run(valid_requests(), chunk_size):
+            req = in_flight.pop(position)
+            if out.finish_reason == "error":
+                req.fail_with(RowError("invalid_request", out.error or "generation failed"))
+                sink.add_error(req)
+                summary.errors += 1
+            else:
+                sink.add_result(req, out)
+                summary.succeeded += 1
+                summary.generated_tokens += out.num_generated_tokens
+            wrote(1, out.num_generated_tokens)
     except BaseException:
         sink.close()
         raise
@@ -128,7 +134,3 @@ def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
     return summary
 
 
-def _chunks(items: Iterable[Request], size: int) -> Iterator[list[Request]]:
-    it = iter(items)
-    while chunk := list(itertools.islice(it, size)):
-        yield chunk
