@@ -143,3 +143,24 @@ def test_unsupported_config_fails_at_load(mixtral, tmp_path, patch: dict, word: 
     (target / "config.json").write_text(json.dumps(cfg | patch))
     with pytest.raises(UnsupportedModelError, match=word):
         Engine(target)
+
+
+def test_run_requests_pulls_lazily_and_bounds_rows_in_flight(engine: Engine, prompt_ids) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    pulled: list[int] = []
+    finished: list[int] = []
+
+    def source():
+        for i in range(12):
+            assert len(pulled) - len(finished) <= 3, "more than max_in_flight rows pulled ahead"
+            pulled.append(i)
+            yield ([5] if i == 7 else prompt_ids[i % 4]), (params if i != 5 else SamplingParams(max_tokens=0))
+
+    outs = {}
+    for i, out in engine.run_requests(source(), max_in_flight=3):
+        finished.append(i)
+        outs[i] = out
+    assert sorted(outs) == list(range(12))
+    assert outs[5].finish_reason == "error" and "max_tokens" in outs[5].error
+    expected = engine.generate([prompt_ids[1]], params)[0].token_ids
+    assert outs[1].token_ids == expected and outs[9].token_ids == expected
