@@ -14,7 +14,7 @@ import dask.config
 
 @dataclass(slots=True)
 class EngineConfig:
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto": the checkpoint's own dtype
     device: str | None = None  # None: cuda when available, else cpu
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
@@ -49,7 +49,10 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        """Keyword arguments over dask.config `batchgen.*` over defaults; unknown keys raise TypeError."""
+        """Keyword arguments over dask.config `batchgen.*` over defaults; unknown keys raise TypeError.
+
+        A keyword given as None counts as not given.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -59,5 +62,5 @@ class EngineConfig:
             value = dask.config.get(f"batchgen.{name.replace('_', '-')}", default=None)
             if value is not None:
                 merged[name] = value
-        merged.update(kwargs)
+        merged.update({k: v for k, v in kwargs.items() if v is not None})  # None: not set here
         return cls(**merged)

@@ -35,8 +35,9 @@ Prompt = str | list[int]
 
 
 class Engine:
-    def __init__(self, model: str | Path, *, dtype: str = "float32", device: str | None = None,
+    def __init__(self, model: str | Path, *, dtype: str | None = None, device: str | None = None,
                  **config_overrides: Any) -> None:
+        """dtype/device None: dask.config `batchgen.dtype`/`batchgen.device`, else float32 / auto."""
         self.config = EngineConfig.from_kwargs(dtype=dtype, device=device, **config_overrides)
         path = Path(model).expanduser()
         self.model = Model.load(path, self.config.dtype, self.config.device)
@@ -46,8 +47,10 @@ class Engine:
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer
                               else generation_eos_ids(path, spec.eos_token_ids))
         self.vocab_size = spec.vocab_size
-        self.max_model_len = min(self.config.max_model_len or spec.max_position_embeddings,
-                                 spec.max_position_embeddings)
+        if self.config.max_model_len and self.config.max_model_len > spec.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={spec.max_position_embeddings}")
+        self.max_model_len = self.config.max_model_len or spec.max_position_embeddings
         bs = self.config.block_size
         num_blocks = self.config.num_kv_blocks or max(
             1, self.config.kv_cache_bytes // (bs * self.model.kv_bytes_per_token()))
@@ -102,7 +105,7 @@ class Engine:
         if not plan:
             return self._unblock()
         for item in plan.scheduled:
-            if item.seq.num_computed == 0 and item.seq.num_preemptions == 0:
+            if item.seq.num_computed == 0 and item.seq.num_preemptions == 0 and not item.seq.output_ids:
                 self.stats.prompt_tokens += len(item.seq.prompt_ids)
         samplers, logits = self.executor.execute(plan)
         finished: list[Sequence] = []
@@ -157,26 +160,29 @@ class Engine:
             seq.finish("stop")
         elif p.stop_token_ids and tok in p.stop_token_ids:
             seq.finish("stop")
-        elif p.stop_list and self.tokenizer is not None and n >= p.min_tokens and self._hit_stop_string(seq):
+        elif p.stop_list and self.tokenizer is not None and self._hit_stop_string(seq, n >= p.min_tokens):
             seq.finish("stop", why="stop-string")
-        elif n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if not seq.is_finished and (n >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             seq.finish("length")
         return seq.is_finished
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
+    def _hit_stop_string(self, seq: Sequence, may_stop: bool) -> bool:
+        """Only text new since the last token is searched, so a stop string produced before
+        min_tokens never stops the request later (as vLLM)."""
         assert self.tokenizer is not None
         before = len(seq.text)
         seq.text = self.tokenizer.decode(seq.output_ids)
-        span = find_stop_span(seq.text, seq.params.stop_list, before)
+        span = find_stop_span(seq.text, seq.params.stop_list, before) if may_stop else None
         if span is None:
             return False
         seq.text = seq.text[:span[1] if seq.params.include_stop_str_in_output else span[0]]
+        seq.text_is_final = True
         return True
 
     def output(self, seq: Sequence) -> RequestOutput:
         if seq.finish_reason == "error" or self.tokenizer is None:
             text = ""
-        elif seq.history and seq.history[-1][1] == "finish:stop-string":
+        elif seq.text_is_final:
             text = seq.text  # already cut at the stop string
         else:
             text = self.tokenizer.decode(seq.output_ids)
@@ -215,6 +221,8 @@ class Engine:
                     mine.add(seq_id)
             if not mine:
                 return
+            if not self.scheduler.has_work:
+                raise RuntimeError(f"{len(mine)} requests left this engine unfinished (suspended elsewhere?)")
             for seq in self.step():
                 if seq.seq_id in mine:
                     mine.discard(seq.seq_id)
@@ -241,11 +249,16 @@ class Engine:
 
     # -- coroutine API ----------------------------------------------------------------------------
     def get(self, seq_id: SeqId) -> Sequence:
+        return self._lookup(seq_id)
+
+    def _lookup(self, seq_id: SeqId) -> Sequence:
+        if seq_id not in self._seqs:
+            raise KeyError(f"no sequence {seq_id} in this engine (finished and handed out, or suspended)")
         return self._seqs[seq_id]
 
     def pop_output(self, seq_id: SeqId) -> RequestOutput:
         """Hand back a finished request's output and forget it."""
-        seq = self._seqs[seq_id]
+        seq = self._lookup(seq_id)
         if not seq.is_finished:
             raise ValueError(f"sequence {seq_id} is not finished")
         return self.output(self._seqs.pop(seq_id))
@@ -256,10 +269,11 @@ class Engine:
         with_kv: True sends the KV cache along, False recomputes it on resume, None picks the
         cheaper by the codec's cost model (bytes to send vs tokens to recompute).
         """
-        seq = self._seqs.pop(seq_id)
+        seq = self._lookup(seq_id)
+        del self._seqs[seq_id]
         kv = None
         if with_kv is None:
-            with_kv = self.codec.prefer_kv(seq.num_computed, self.recompute_tokens_per_s())
+            with_kv = self.codec.prefer_kv(seq.num_computed or seq.num_swapped, self.recompute_tokens_per_s())
         if with_kv and seq.num_computed and seq.block_ids:
             kv = self.executor.read_kv(seq.block_ids, seq.num_computed)
         elif with_kv and seq.num_swapped:

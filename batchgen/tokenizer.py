@@ -2,14 +2,49 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
+from jinja2 import nodes
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import ModelLoadError, RequestError
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in
+    transformers' templates; for inference it just renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson HTML-escapes and sorts keys; templates expect plain json.dumps
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _template_env() -> jinja2.Environment:
+    """The environment transformers renders chat templates in (same extensions and helpers)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+
+    def raise_exception(message: str) -> None:
+        raise RequestError(f"messages: chat template rejected them: {message}")
+
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def _token_text(value: Any) -> str | None:
@@ -28,10 +63,15 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_token_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
-        self.add_bos_token = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
         eos_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids + ([eos_id] if eos_id is not None else [])))
         self.chat_template = chat_template
+        self._compiled: jinja2.Template | None = None
+
+    def _template(self) -> jinja2.Template:
+        if self._compiled is None:
+            self._compiled = _template_env().from_string(self.chat_template)
+        return self._compiled
 
     @classmethod
     def from_dir(cls, model_dir: Path, eos_token_ids: list[int]) -> "Tokenizer | None":
@@ -55,10 +95,8 @@ class Tokenizer:
         return cls(tok, config, eos_token_ids, template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id] + ids  # type: ignore[list-item]
-        return ids
+        """tokenizer.json's post-processor decides about BOS/EOS, as in transformers 5."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -67,15 +105,9 @@ class Tokenizer:
         if not self.chat_template:
             raise RequestError("messages: this model has no chat_template in tokenizer_config.json; "
                                "send a plain prompt instead")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message: str) -> None:
-            raise RequestError(f"messages: chat template rejected them: {message}")
-
-        env.globals["raise_exception"] = raise_exception
+        specials = {k: _token_text(v) or "" for k, v in self.config.items() if k.endswith("_token")}
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           **specials)
         except jinja2.TemplateError as exc:
             raise RequestError(f"messages: chat template failed: {exc}") from exc

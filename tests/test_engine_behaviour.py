@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import tiny_models
+import torch
 
 from batchgen import Engine, ModelLoadError, SamplingParams, UnsupportedModelError
 
@@ -164,3 +165,41 @@ def test_run_requests_pulls_lazily_and_bounds_rows_in_flight(engine: Engine, pro
     assert outs[5].finish_reason == "error" and "max_tokens" in outs[5].error
     expected = engine.generate([prompt_ids[1]], params)[0].token_ids
     assert outs[1].token_ids == expected and outs[9].token_ids == expected
+
+
+def test_stop_string_cut_survives_suspend_and_resume(mixtral, engine: Engine, prompt_ids) -> None:
+    base = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    free = engine.generate([prompt_ids[5]], base)[0]
+    stop = free.text[len(free.text) // 2:][:3]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop])
+    local = engine.generate([prompt_ids[5]], params)[0]
+    seq_id = engine.add_request(prompt_ids[5], params)
+    while not engine.get(seq_id).is_finished:
+        engine.step()
+    other = Engine(mixtral, block_size=8)
+    moved = other.pop_output(other.resume(engine.suspend(seq_id)))
+    assert moved.text == local.text and stop not in moved.text and moved.finish_reason == "stop"
+
+
+def test_stop_string_seen_before_min_tokens_does_not_stop_later(engine: Engine, prompt_ids) -> None:
+    free = engine.generate([prompt_ids[5]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    early = engine.tokenizer.decode(free.token_ids[:2])
+    assert early and early not in engine.tokenizer.decode(free.token_ids)[len(early):]
+    out = engine.generate([prompt_ids[5]], SamplingParams(max_tokens=12, min_tokens=6, temperature=0.0,
+                                                           ignore_eos=True, stop=[early]))[0]
+    assert out.finish_reason == "length" and out.token_ids == free.token_ids
+
+
+def test_engine_options_come_from_dask_config(mixtral) -> None:
+    import dask.config
+
+    with dask.config.set({"batchgen.dtype": "bfloat16", "batchgen.max-num-seqs": 3}):
+        configured = Engine(mixtral, block_size=8)
+    assert configured.model.dtype == torch.bfloat16 and configured.config.max_num_seqs == 3
+    with dask.config.set({"batchgen.dtype": "bfloat16"}):
+        assert Engine(mixtral, dtype="float32").model.dtype == torch.float32  # keywords win
+
+
+def test_unknown_sequence_ids_name_the_problem(engine: Engine) -> None:
+    with pytest.raises(KeyError, match="no sequence 12345"):
+        engine.suspend(12345)  # type: ignore[arg-type]

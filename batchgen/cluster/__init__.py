@@ -1,0 +1,37 @@
+"""batchgen on Dask: a whole cluster as one batch engine.
+
+    client = batchgen.cluster.connect()          # or connect("tcp://...") / connect(client=c)
+    out = ddf.map_partitions(batchgen.generate, model=path, max_tokens=64)
+    batchgen.cluster.metrics(client)              # per-worker load while it runs
+
+Modules: generate (the partition function), frame (pandas in/out, meta calls), spec (engine
+key), runner (an engine and its loop thread), job (rows a task waits for), host (engines, jobs,
+migration), worker (worker extension, RPC handlers, load push), plugin (scheduler plugin),
+balance (pure policy), client (connect / disconnect), dataframe, monitor (metrics, progress). `generate` is bound eagerly (its module
+shares its name, and it imports nothing heavy); the other names load on first use, so
+`import batchgen` does not import distributed.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .generate import generate
+
+_EXPORTS = {
+    "connect": "client", "disconnect": "client", "install": "client", "is_installed": "client",
+    "local_cluster": "client",
+    "generate_dataframe": "dataframe",
+    "metrics": "monitor", "progress": "monitor",
+    "BalanceConfig": "balance", "Migration": "balance", "EngineLoad": "balance", "plan_migrations": "balance",
+    "BalancePlugin": "plugin", "BatchgenWorkerPlugin": "worker",
+}
+
+__all__ = sorted([*_EXPORTS, "generate"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchgen.cluster' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

@@ -112,8 +112,8 @@ def _qwen_sparse(cfg: Config, i: int) -> bool:
 def _llama_like(cfg: Config) -> ModelSpec:
     mt = cfg["model_type"]
     if mt == "qwen2":
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        sliding = _layer_types(cfg, lambda i: window is not None and i >= cfg.get("max_window_layers", 0))
+        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+        sliding = _layer_types(cfg, lambda i: window is not None and i >= cfg.get("max_window_layers", 28))
         attn = lambda i: _gqa(cfg, qkv_bias=True, o_bias=False, sliding_window=window if sliding[i] else None)
         mlp_bias = False
     else:
@@ -144,9 +144,9 @@ def _qwen_moe(cfg: Config) -> ModelSpec:
     moe = MoESpec(router, intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
                   shared_intermediate_size=shared, shared_gate=shared > 0)
     dense = DenseMLPSpec(int(_require(cfg, "intermediate_size")))
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
     if mt == "qwen2_moe":
-        sliding = _layer_types(cfg, lambda i: bool((i + 1) % 2) and i < cfg.get("max_window_layers", 0)
+        sliding = _layer_types(cfg, lambda i: bool((i + 1) % 2) and i < cfg.get("max_window_layers", 28)
                                and window is not None)
         bias = bool(cfg.get("qkv_bias", True))
         attn = lambda i: _gqa(cfg, qkv_bias=bias, o_bias=False, sliding_window=window if sliding[i] else None)

@@ -169,14 +169,18 @@ def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: t
     return _to_device(weights, device) if device.type != "cpu" else weights
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
+def _to_device(obj: Any, device: torch.device, moved: dict[int, torch.Tensor] | None = None) -> Any:
+    """Move every tensor once: a tensor shared by two fields (tied embeddings) stays shared."""
+    moved = {} if moved is None else moved
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        if id(obj) not in moved:
+            moved[id(obj)] = obj.to(device)
+        return moved[id(obj)]
     if isinstance(obj, list):
-        return [_to_device(x, device) for x in obj]
+        return [_to_device(x, device, moved) for x in obj]
     if hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
-            setattr(obj, name, _to_device(getattr(obj, name), device))
+            setattr(obj, name, _to_device(getattr(obj, name), device, moved))
     return obj
 
 

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .kv_cache import BlockAllocator, blocks_for
+from .kv_cache import BlockAllocator
 from .sequence import SeqStatus, Sequence
 
 Eviction = Literal["newest", "fewest_computed", "most_remaining"]
@@ -62,6 +62,7 @@ class Plan:
         return sum(s.num_new for s in self.scheduled)
 
     def __bool__(self) -> bool:
+        """A plan with evictions only (nothing to run) is empty."""
         return bool(self.scheduled)
 
 
@@ -83,20 +84,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_front(self, seq: Sequence) -> None:
-        self.waiting.appendleft(seq)
-
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
-    def fits_pool(self, num_tokens: int) -> bool:
-        """Could a sequence of num_tokens ever hold its KV, alone in the pool?"""
-        return blocks_for(num_tokens, self.allocator.block_size) <= self.allocator.num_blocks
 
     def release(self, seq: Sequence) -> None:
         """A finished (or removed) sequence gives its blocks back at once."""

@@ -44,7 +44,8 @@ def check_length(num_prompt: int, params: SamplingParams, max_model_len: int, po
     if num_prompt >= max_model_len:
         raise RequestError(f"prompt has {num_prompt} tokens; the model's context (max_model_len) is "
                            f"{max_model_len}, leaving no room to generate")
-    need = min(num_prompt + params.max_tokens, max_model_len)
+    # the last sampled token is never fed back, so it needs no KV slot
+    need = min(num_prompt + params.max_tokens, max_model_len) - 1
     if need > pool_tokens:
         raise RequestError(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) needs {need} KV "
                            f"tokens; this engine's KV pool holds {pool_tokens}")

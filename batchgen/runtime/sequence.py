@@ -58,6 +58,7 @@ class Sequence:
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
     text: str = ""
+    text_is_final: bool = False  # text was cut at a stop string; do not re-decode
     num_preemptions: int = 0
     # (transition, reason) of recent state changes: migration and eviction stay debuggable
     history: list[tuple[str, str]] = field(default_factory=list)
@@ -77,10 +78,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.num_uncomputed == 1 and bool(self.output_ids)
 
     @property
     def remaining_tokens(self) -> int:

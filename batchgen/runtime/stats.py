@@ -1,8 +1,16 @@
 """Counters the runtime keeps: batch sizes at attention and at the MoE stage, preemptions, tokens."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
+
+# Samples kept per series: long jobs run billions of expert calls; the recent window is enough.
+WINDOW = 100_000
+
+
+def _window() -> deque[int]:
+    return deque(maxlen=WINDOW)
 
 
 @dataclass(slots=True)
@@ -11,12 +19,14 @@ class RuntimeStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
-    attention_batches: list[int] = field(default_factory=list)  # tokens per attention micro-batch
-    moe_batches: list[int] = field(default_factory=list)  # tokens per MoE stage call
-    expert_call_tokens: list[int] = field(default_factory=list)  # tokens per (stage call, active expert)
+    # recent samples (bounded): tokens per attention micro-batch, per MoE stage call, and per
+    # (MoE stage call, active expert)
+    attention_batches: deque[int] = field(default_factory=_window)
+    moe_batches: deque[int] = field(default_factory=_window)
+    expert_call_tokens: deque[int] = field(default_factory=_window)
 
     def summary(self) -> dict[str, float]:
-        def mean(xs: list[int]) -> float:
+        def mean(xs: deque[int]) -> float:
             return sum(xs) / len(xs) if xs else 0.0
 
         return {
@@ -29,8 +39,3 @@ class RuntimeStats:
             "tokens_per_expert_call_mean": mean(self.expert_call_tokens),
             "tokens_per_expert_call_p50": float(median(self.expert_call_tokens)) if self.expert_call_tokens else 0.0,
         }
-
-    def trim(self, keep: int = 100_000) -> None:
-        """Bound memory on long jobs: keep the most recent samples."""
-        for xs in (self.attention_batches, self.moe_batches, self.expert_call_tokens):
-            del xs[:-keep]

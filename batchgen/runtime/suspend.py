@@ -51,11 +51,14 @@ class CoroutineCodec:
             raise StateError(f"coroutine state version {version} is not {_VERSION}")
         if tuple(fingerprint) != self.fingerprint:
             raise StateError(f"coroutine state was made for model {fingerprint}, this engine runs {self.fingerprint}")
-        status = SeqStatus(state.pop("status"))
-        seq = Sequence(seq_id=seq_id, **state)
+        try:
+            status = SeqStatus(state.pop("status"))
+            seq = Sequence(seq_id=seq_id, **state)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise StateError(f"coroutine state fields do not match this batchgen: {exc}") from exc
         seq.status, seq.yield_point = status, STEP
         seq.history.append(("resumed", "migrate"))
         if kv is not None and (kv.dim() != 3 or kv.shape[0] != self.model.num_layers
-                               or kv.shape[1] > seq.num_tokens or kv.shape[2] != self.model.spec.kv_width):
-            raise StateError(f"coroutine KV has shape {tuple(kv.shape)}, expected [layers, <= tokens, W]")
+                               or kv.shape[1] >= seq.num_tokens or kv.shape[2] != self.model.spec.kv_width):
+            raise StateError(f"coroutine KV has shape {tuple(kv.shape)}, expected [layers, < tokens, W]")
         return seq, kv
