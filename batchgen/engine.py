@@ -289,17 +289,31 @@ class Engine:
         self._seqs[seq_id] = seq
         if seq.is_finished:
             return seq_id
-        if kv is not None and self.allocator.can_allocate(self.allocator.extra_blocks(0, kv.shape[1] + 1)) \
+        try:  # this engine's context and pool may be smaller than the one it came from
+            check_params(seq.params, self.vocab_size)
+            check_length(len(seq.prompt_ids), seq.params, self.max_model_len, self.allocator.capacity_tokens)
+        except RequestError as exc:
+            seq.finish("error", f"cannot resume here: {exc}")
+            return seq_id
+        n = kv.shape[1] if kv is not None else 0
+        if n and self.allocator.can_allocate(self.allocator.extra_blocks(0, n + 1)) \
                 and len(self.scheduler.running) < self.config.max_num_seqs:
-            seq.block_ids = self.allocator.allocate(self.allocator.extra_blocks(0, kv.shape[1]))
+            seq.block_ids = self.allocator.allocate(self.allocator.extra_blocks(0, n))
             self.executor.write_kv(seq.block_ids, kv)
-            seq.num_computed = kv.shape[1]
+            seq.num_computed = n
             seq.transition(SeqStatus.RUNNING, "resume:with-kv")
             self.scheduler.running.append(seq)
+            return seq_id
+        nbytes = n * self.model.kv_bytes_per_token()
+        if n and self._host_kv_bytes + nbytes <= self.config.swap_space_bytes:
+            self._host_kv[seq_id] = kv  # no room in the pool now: wait in host memory
+            self._host_kv_bytes += nbytes
+            seq.num_swapped = n
+            seq.transition(SeqStatus.SWAPPED, "resume:kv-to-host")
         else:
-            seq.num_computed = 0
             seq.transition(SeqStatus.WAITING, "resume:recompute")
-            self.scheduler.add(seq)
+        seq.num_computed = 0
+        self.scheduler.add(seq)
         return seq_id
 
     def recompute_tokens_per_s(self) -> float:

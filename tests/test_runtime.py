@@ -104,3 +104,31 @@ def test_load_reports_remaining_work(checkpoint_factory, prompt_ids) -> None:
     engine.step()
     after = engine.load()
     assert after["running"] == 4 and after["remaining_tokens"] == 36 and 0 < after["kv_used_fraction"] < 1
+
+
+def test_resume_with_kv_into_a_full_pool_waits_in_host_memory(checkpoint_factory, prompt_ids) -> None:
+    model_dir = checkpoint_factory("mixtral")
+    expected = Engine(model_dir, block_size=8).generate([prompt_ids[6]], GREEDY)[0].token_ids
+    first = Engine(model_dir, block_size=8)
+    sid = first.add_request(prompt_ids[6], GREEDY)
+    for _ in range(3):
+        first.step()
+    state = first.suspend(sid, with_kv=True)
+    busy = Engine(model_dir, block_size=8, num_kv_blocks=30)
+    hog = busy.add_request(prompt_ids[7], GREEDY)  # 200 prompt tokens take most of the pool
+    busy.step()
+    resumed = busy.resume(state)
+    assert busy.get(resumed).status is SeqStatus.SWAPPED
+    assert run_to_end(busy, resumed) == expected
+    run_to_end(busy, hog)
+    assert busy.allocator.num_free == busy.allocator.num_blocks and busy._host_kv_bytes == 0
+
+
+def test_resume_refuses_a_sequence_too_long_for_this_engine(checkpoint_factory, prompt_ids) -> None:
+    model_dir = checkpoint_factory("mixtral")
+    first = Engine(model_dir, block_size=8)
+    sid = first.add_request(prompt_ids[7], GREEDY)
+    first.step()
+    small = Engine(model_dir, block_size=8, max_model_len=64)
+    out = small.pop_output(small.resume(first.suspend(sid)))
+    assert out.finish_reason == "error" and "cannot resume here" in out.error and "max_model_len" in out.error
