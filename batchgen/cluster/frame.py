@@ -1,0 +1,155 @@
+"""pandas in, pandas out: rows -> (prompt, SamplingParams), outputs -> added columns; meta calls.
+
+Dask infers a mapped function's output schema by calling it once on fake rows unless `meta=`
+is given: `map_partitions` runs `emulate(func, meta_nonempty(ddf._meta), ...)`
+(dask/dataframe/dask_expr/_expr.py; `_emulate` in older releases), where `meta_nonempty` makes
+two rows of placeholder values ("a"/<NA> for strings, 1 for ints) on an index like [1, 2].
+`is_meta_call` recognises that call without loading a model, in two ways:
+
+1. the call stack holds a frame of a function named `emulate` or `_emulate` from a `dask`
+   module (exact: a task on a worker or a plain call never runs inside it);
+2. failing that (a future dask renaming it), outside any Dask task, the frame is exactly what
+   `meta_nonempty` makes of its own empty schema. Inside a task this check is never used, so
+   real data can never be mistaken for fake rows there.
+
+The answer to a meta call is the input rows plus the output columns with their final dtypes.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import typing
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from typing import Any
+
+import pandas as pd
+
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+OUTPUT_COLUMNS = ("generated_text", "num_generated_tokens", "finish_reason", "error")
+_EMULATE = frozenset({"emulate", "_emulate"})
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+def text_dtype() -> Any:
+    """pandas' own dtype for a column of strings: `str` in pandas 3, object before."""
+    return pd.Series(["x"]).dtype
+
+
+def is_meta_call(pdf: pd.DataFrame, in_task: bool, max_depth: int = 64) -> bool:
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        if frame.f_code.co_name in _EMULATE and str(frame.f_globals.get("__name__", "")).startswith("dask"):
+            return True
+        frame = frame.f_back
+    return not in_task and _is_fake_partition(pdf)
+
+
+def _is_fake_partition(pdf: pd.DataFrame) -> bool:
+    if len(pdf) != 2:
+        return False
+    try:
+        from dask.dataframe.utils import meta_nonempty
+
+        fake = meta_nonempty(pdf.iloc[:0])
+        return bool(fake.index.equals(pdf.index) and fake.equals(pdf))
+    except Exception:  # noqa: BLE001 - any doubt means: real data
+        return False
+
+
+def check_columns(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, str]) -> None:
+    """Raise (before any work) when a named column is missing or a per_row key is no sampling field."""
+    if prompt_column not in pdf.columns:
+        raise KeyError(f"prompt_column {prompt_column!r} is not a column of the partition; "
+                       f"columns: {list(pdf.columns)}")
+    for name, column in per_row.items():
+        if name not in _SAMPLING_FIELDS:
+            raise TypeError(f"per_row key {name!r} is not a SamplingParams field; known: {sorted(_SAMPLING_FIELDS)}")
+        if column not in pdf.columns:
+            raise KeyError(f"per_row maps {name!r} to column {column!r}, which the partition does not have; "
+                           f"columns: {list(pdf.columns)}")
+
+
+def read_requests(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, str],
+                  base: SamplingParams) -> list[tuple[Any, SamplingParams]]:
+    """One (prompt, params) per row, in row order. Missing per-row values (NA) keep `base`'s.
+
+    Values are made plain Python (numpy scalars, arrays -> lists); a whole-number float for an
+    integer field (a column with NA is float) becomes an int. Anything else is left for the
+    engine to reject, so only that row fails.
+    """
+    ints = _int_fields()
+    prompts = [_prompt(v) for v in pdf[prompt_column].tolist()]
+    columns = {name: pdf[col].tolist() for name, col in per_row.items()}
+    requests: list[tuple[Any, SamplingParams]] = []
+    for i, prompt in enumerate(prompts):
+        overrides = {}
+        for name, values in columns.items():
+            value = _plain(values[i])
+            if value is None:
+                continue
+            if name in ints and isinstance(value, float) and value.is_integer():
+                value = int(value)
+            overrides[name] = value
+        requests.append((prompt, replace(base, **overrides) if overrides else base))
+    return requests
+
+
+def output_frame(pdf: pd.DataFrame, outputs: list[RequestOutput]) -> pd.DataFrame:
+    """The input rows (same index, same order) with the four output columns added."""
+    errors = [None if o.error is None else f"row {idx}: {o.error}" for idx, o in zip(pdf.index, outputs)]
+    return _with_columns(pdf, [o.text for o in outputs], [o.num_generated_tokens for o in outputs],
+                         [o.finish_reason for o in outputs], errors)
+
+
+def placeholder_output(pdf: pd.DataFrame) -> pd.DataFrame:
+    """Schema answer for a meta call or an empty partition: no model is touched."""
+    n = len(pdf)
+    return _with_columns(pdf, [""] * n, [0] * n, ["length"] * n, [None] * n)
+
+
+def _with_columns(pdf: pd.DataFrame, text: list[str], num: list[int], reason: list[str],
+                  error: list[str | None]) -> pd.DataFrame:
+    dtype = text_dtype()
+    return pdf.assign(
+        generated_text=pd.Series(text, index=pdf.index, dtype=dtype),
+        num_generated_tokens=pd.Series(num, index=pdf.index, dtype="int64"),
+        finish_reason=pd.Series(reason, index=pdf.index, dtype=dtype),
+        error=pd.Series(error, index=pdf.index, dtype=dtype),
+    )
+
+
+@functools.cache
+def _int_fields() -> frozenset[str]:
+    hints = typing.get_type_hints(SamplingParams)
+    return frozenset(n for n, t in hints.items() if t is int or int in typing.get_args(t))
+
+
+def _prompt(value: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    return _plain(value)  # NA -> None, which the engine rejects for that row alone
+
+
+def _plain(value: Any) -> Any:
+    """numpy / pyarrow / pandas scalars and arrays -> Python; NA -> None."""
+    if value is None or value is pd.NA or value is pd.NaT:
+        return None
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if hasattr(value, "as_py"):  # pyarrow scalar
+        value = value.as_py()
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()  # numpy scalar -> Python scalar, ndarray -> list
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, tuple):
+        value = list(value)
+    if isinstance(value, list):
+        value = [v.item() if hasattr(v, "item") and not isinstance(v, (str, bytes)) else v for v in value]
+    return value

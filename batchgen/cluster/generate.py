@@ -1,0 +1,94 @@
+"""batchgen.generate: one pandas partition in, the same rows out with generated columns.
+
+    ddf.map_partitions(batchgen.generate, model="path/to/model", max_tokens=64, temperature=0.0)
+    batchgen.generate(pdf, model="path/to/model")          # plain pandas, no cluster
+
+Inside a Dask task the rows join this worker's engine (one per worker and model, shared by all
+partitions there) and the task secedes from the worker's thread pool while it waits, so many
+partitions are in flight per worker. Outside Dask the rows join a process-wide engine, cached
+per (model, engine options). dask, distributed and pandas are imported on first call only:
+`import batchgen` stays light.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from distributed import Worker
+
+
+def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prompt",
+             per_row: Mapping[str, str] | None = None, engine_options: Mapping[str, Any] | None = None,
+             **sampling: Any) -> pd.DataFrame:
+    """Generate one completion per row of `pdf`.
+
+    model: model directory (Hugging Face layout). prompt_column: strings, or lists of token ids
+    (on Dask, keep those as a pyarrow list column: dask's `dataframe.convert-string` turns
+    Python lists in object columns into strings). per_row: SamplingParams field -> column name,
+    e.g. {"max_tokens": "max_tokens"}; NA in such a column keeps the default. engine_options:
+    EngineConfig keyword arguments (dtype, max_num_seqs, kv_cache_bytes, ...). sampling:
+    SamplingParams fields shared by all rows.
+
+    Returns `pdf` (same index, same order) plus `generated_text`, `num_generated_tokens`,
+    `finish_reason` ("stop" | "length" | "error") and `error` (NA, or a message naming the row,
+    the field and the value). A bad row fails alone; a model that cannot load raises.
+    Dask's meta inference call is answered with the output schema without loading a model.
+    """
+    from ..sampling_params import SamplingParams
+    from .frame import check_columns, is_meta_call, output_frame, placeholder_output, read_requests
+    from .spec import EngineSpec
+
+    base = SamplingParams(**sampling)  # an unknown field name raises TypeError here
+    per_row = dict(per_row or {})
+    check_columns(pdf, prompt_column, per_row)
+    spec = EngineSpec.make(model, engine_options)
+    worker = _current_worker()
+    in_task = worker is not None and _in_task()
+    if len(pdf) == 0 or is_meta_call(pdf, in_task):
+        return placeholder_output(pdf)
+
+    requests = read_requests(pdf, prompt_column, per_row, base)
+    if worker is not None:
+        from .worker import ensure_side
+
+        host = ensure_side(worker).host
+    else:
+        from .worker import local_host
+
+        host = local_host()
+    job = host.open_job(spec, requests)
+    try:
+        if in_task:
+            from distributed import rejoin, secede
+
+            secede()  # free the thread slot: the next partition can start and join the engine
+            try:
+                job.wait()
+            finally:
+                rejoin()
+        else:
+            job.wait()
+        outputs = job.result()
+    finally:
+        host.close_job(job)
+    return output_frame(pdf, outputs)
+
+
+def _current_worker() -> Worker | None:
+    try:
+        from distributed import get_worker
+    except ImportError:
+        return None
+    try:
+        return get_worker()
+    except ValueError:
+        return None
+
+
+def _in_task() -> bool:
+    from distributed.worker import thread_state
+
+    return getattr(thread_state, "key", None) is not None

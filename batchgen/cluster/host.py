@@ -1,0 +1,326 @@
+"""Host: a worker's (or a plain process's) engines, the jobs of its tasks, and migration.
+
+One Host per Dask worker (`worker.extensions["batchgen"]`) or, outside Dask, one per process.
+It keeps one EngineRunner per EngineSpec, so every partition that needs the same model on this
+worker joins one engine. Migration is three messages between hosts (see worker.py for the RPC
+handlers that call in here):
+
+    owner --adopt(states)--> holder          holder resumes the coroutines
+    holder --result(outputs)--> owner        the row is done; the owner drops the kept state
+    holder --bounce(states)--> owner         the holder gives rows back (closing, cannot resume)
+
+The owner keeps each moved row's suspended state until its result arrives; when the holder
+leaves the cluster the owner resumes the row itself (`recover`). All sends go through a
+`Transport`; outside Dask there is none and nothing ever migrates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import BatchgenError
+from ..outputs import RequestOutput
+from .balance import Migration
+from .job import PartitionJob
+from .runner import EngineRunner, Request, RowRef, RunnerLoad
+from .spec import EngineSpec
+
+logger = logging.getLogger(__name__)
+
+
+class Transport(Protocol):
+    address: str
+
+    def send(self, address: str, op: str, msg: dict[str, Any],
+             on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Fire-and-forget RPC `op(**msg)` to `address`; thread-safe; on_error runs on failure."""
+        ...
+
+
+@dataclass(slots=True)
+class HostCounters:
+    rows_done: int = 0  # rows of this host's jobs that got their output
+    generated_tokens: int = 0  # tokens of those rows
+    migrated_out: int = 0  # coroutines sent to another worker
+    migrated_in: int = 0  # coroutines adopted from another worker
+    recovered: int = 0  # moved rows resumed here because their holder left
+    returned: int = 0  # rows finished here for another worker's task
+
+
+class Host:
+    def __init__(self, transport: Transport | None = None) -> None:
+        self.transport = transport
+        self.counters = HostCounters()
+        self._runners: dict[EngineSpec, EngineRunner] = {}
+        self._jobs: dict[str, PartitionJob] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+        self.peak_jobs = 0  # most partitions waiting here at once (seceded tasks)
+
+    @property
+    def address(self) -> str | None:
+        return self.transport.address if self.transport is not None else None
+
+    # -- engines ----------------------------------------------------------------------------------
+    def runner(self, spec: EngineSpec) -> EngineRunner:
+        """The engine for `spec`, started on first use (a closed host only serves running jobs)."""
+        with self._lock:
+            runner = self._runners.get(spec)
+            if runner is None or runner.failure is not None:
+                if self._closed:
+                    raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
+                runner = EngineRunner(spec, self._on_done, lambda exc, refs, s=spec: self._on_fail(s, exc, refs))
+                self._runners[spec] = runner
+            return runner
+
+    def runner_for_key(self, key: str) -> EngineRunner | None:
+        with self._lock:
+            return next((r for s, r in self._runners.items() if s.key == key), None)
+
+    def loads(self) -> dict[str, RunnerLoad]:
+        with self._lock:
+            return {spec.key: r.load for spec, r in self._runners.items() if r.failure is None}
+
+    # -- a task's partition -----------------------------------------------------------------------
+    def open_job(self, spec: EngineSpec, requests: list[tuple[Any, Any]]) -> PartitionJob:
+        """Queue (prompt, params) rows in this host's engine for `spec`; -> the job to wait on."""
+        job = PartitionJob(spec, len(requests))
+        with self._lock:
+            if self._closed:
+                raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
+            self._jobs[job.job_id] = job
+            self.peak_jobs = max(self.peak_jobs, len(self._jobs))
+        batch: list[Request] = [(RowRef(job.job_id, i), p, sp) for i, (p, sp) in enumerate(requests)]
+        self.runner(spec).submit(batch)
+        return job
+
+    def close_job(self, job: PartitionJob) -> None:
+        """Forget the job; any of its coroutines still here (duplicates, a failed job) are dropped."""
+        with self._lock:
+            self._jobs.pop(job.job_id, None)
+            runner = self._runners.get(job.spec)
+            last = self._closed and not self._jobs
+        if runner is not None and runner.failure is None:
+            runner.cancel(lambda ref: ref.is_local and ref.job_id == job.job_id)
+        if last:
+            self._close_runners()
+
+    def _on_done(self, done: list[tuple[RowRef, RequestOutput]]) -> None:
+        remote: dict[str, dict[str, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
+        for ref, out in done:
+            if ref.owner is None:
+                self._deliver(ref.job_id, ref.row, out)
+            else:
+                remote[ref.owner][ref.job_id].append([ref.row, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)])
+        for owner, jobs in remote.items():
+            with self._lock:
+                self.counters.returned += sum(len(items) for items in jobs.values())
+            if self.transport is not None:
+                self.transport.send(owner, "batchgen_result", {"jobs": dict(jobs)})
+
+    def _deliver(self, job_id: str, row: int, out: RequestOutput) -> None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is not None and job.deliver(row, out):
+            with self._lock:
+                self.counters.rows_done += 1
+                self.counters.generated_tokens += out.num_generated_tokens
+
+    def _on_fail(self, spec: EngineSpec, exc: BaseException, refs: list[RowRef]) -> None:
+        """The engine could not load or crashed: its jobs fail (Dask retries them); rows held for
+        other workers go back to their owners, who resume them from the states they kept."""
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.spec == spec]
+        for job in jobs:
+            job.fail(exc)
+        by_owner: dict[str, list[RowRef]] = defaultdict(list)
+        for ref in refs:
+            if ref.owner is not None:
+                by_owner[ref.owner].append(ref)
+        for owner, owned in by_owner.items():
+            self._bounce(owner, owned)
+
+    # -- migration: owner side --------------------------------------------------------------------
+    def execute(self, order: Migration) -> None:
+        """Carry out a scheduler order: suspend the coroutines, keep their state, send them."""
+        runner = self.runner_for_key(order.model)
+        if runner is None or self.transport is None:
+            return
+        fut = runner.suspend(list(order.seq_ids), match=lambda ref: ref.is_local)
+        fut.add_done_callback(lambda f: self._send_moved(order, runner.spec, f.result()) if not f.exception() else None)
+
+    def _send_moved(self, order: Migration, spec: EngineSpec, items: list[tuple[RowRef, bytes]]) -> None:
+        sent: list[list[Any]] = []
+        for ref, state in items:
+            with self._lock:
+                job = self._jobs.get(ref.job_id)
+            if job is None or job.is_done:
+                continue
+            job.moved(ref.row, order.dst, state)
+            sent.append([ref.job_id, ref.row, state])
+        if not sent or self.transport is None:
+            return
+        with self._lock:
+            self.counters.migrated_out += len(sent)
+        msg = {"owner": self.transport.address, "spec": spec.to_msg(), "items": sent}
+        self.transport.send(order.dst, "batchgen_adopt", msg,
+                            on_error=lambda exc: self._take_back_rows(order.dst, sent, exc))
+
+    def _take_back_rows(self, holder: str, sent: list[list[Any]], exc: BaseException) -> None:
+        logger.warning("migration to %s failed (%s); resuming %d rows here", holder, exc, len(sent))
+        by_job: dict[str, list[int]] = defaultdict(list)
+        for job_id, row, _ in sent:
+            by_job[job_id].append(row)
+        for job_id, rows in by_job.items():
+            self._resume_here(job_id, rows, {})
+        with self._lock:
+            self.counters.recovered += len(sent)
+
+    def recover(self, live: set[str]) -> int:
+        """Resume here every moved row whose holder is no longer in the cluster (cheap; call often)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        n = 0
+        for job in jobs:
+            back = job.take_back(live=live)
+            if back:
+                n += len(back)
+                logger.warning("resuming %d rows of job %s here: their holder left", len(back), job.job_id)
+                self._resume_states(job, back)
+        with self._lock:
+            self.counters.recovered += n
+        return n
+
+    def drop_orphans(self, live: set[str]) -> None:
+        """Stop coroutines held for tasks on workers that left: Dask reruns those tasks elsewhere."""
+        with self._lock:
+            runners = list(self._runners.values())
+        for runner in runners:
+            if runner.failure is None:
+                runner.cancel(lambda ref: ref.owner is not None and ref.owner not in live)
+
+    def _resume_here(self, job_id: str, rows: list[int], fresh: dict[int, bytes]) -> None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            return
+        kept = dict(job.take_back(rows=rows))
+        self._resume_states(job, [(row, fresh.get(row, state)) for row, state in kept.items()])
+
+    def _resume_states(self, job: PartitionJob, states: list[tuple[int, bytes]]) -> None:
+        try:
+            runner = self.runner(job.spec)
+        except BatchgenError as exc:
+            job.fail(exc)
+            return
+        fut = runner.adopt([(RowRef(job.job_id, row), state) for row, state in states])
+
+        def check(f: Any) -> None:
+            exc = f.exception()
+            if exc is None and f.result():
+                exc = BatchgenError(f"job {job.job_id}: cannot resume rows {[r.row for r in f.result()]} "
+                                    "from their suspended state")
+            if exc is not None:
+                job.fail(exc)
+        fut.add_done_callback(check)
+
+    # -- migration: holder side (called by the RPC handlers) --------------------------------------
+    def adopt(self, owner: str, spec: EngineSpec, items: list[tuple[str, int, bytes]]) -> None:
+        refs = [(RowRef(job_id, row, owner), state) for job_id, row, state in items]
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self.counters.migrated_in += len(refs)
+        try:
+            if closed:
+                raise BatchgenError("closed")
+            fut = self.runner(spec).adopt(refs)
+        except BatchgenError:
+            self._bounce(owner, [ref for ref, _ in refs])
+            return
+
+        def rejected(f: Any) -> None:
+            bad = f.result() if not f.exception() else [ref for ref, _ in refs]
+            if bad:
+                self._bounce(owner, bad)
+        fut.add_done_callback(rejected)
+
+    def _bounce(self, owner: str, refs: list[RowRef], states: dict[RowRef, bytes] | None = None) -> None:
+        if self.transport is None:
+            return
+        jobs: dict[str, list[list[Any]]] = defaultdict(list)
+        for ref in refs:
+            jobs[ref.job_id].append([ref.row, (states or {}).get(ref)])
+        self.transport.send(owner, "batchgen_bounce", {"jobs": dict(jobs)})
+
+    def receive_results(self, jobs: dict[str, list[list[Any]]]) -> None:
+        for job_id, items in jobs.items():
+            for row, blob in items:
+                self._deliver(job_id, int(row), pickle.loads(blob))
+
+    def receive_bounce(self, jobs: dict[str, list[list[Any]]]) -> None:
+        for job_id, items in jobs.items():
+            fresh = {int(row): state for row, state in items if state is not None}
+            self._resume_here(job_id, [int(row) for row, _ in items], fresh)
+
+    # -- reporting and shutdown -------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """This host's load for the scheduler plugin: per engine, plus counters."""
+        engines = {}
+        for key, load in self.loads().items():
+            engines[key] = {
+                "ready": load.ready, "waiting": load.waiting, "running": load.running,
+                "kv_used": load.kv_used, "remaining_tokens": load.remaining_tokens,
+                "tokens_per_s": load.tokens_per_s, "generated_tokens": load.generated_tokens,
+                "movable": [[c.seq_id, c.remaining, c.num_computed] for c in load.movable],
+            }
+        with self._lock:
+            counters = dataclasses.asdict(self.counters)
+            jobs = len(self._jobs)
+        return {"engines": engines, "counters": counters, "jobs": jobs, "peak_jobs": self.peak_jobs}
+
+    def close(self) -> None:
+        """Detach: take no new jobs or coroutines; hand foreign coroutines back to their owners
+        (with their progress); resume here this host's rows held elsewhere (their results can no
+        longer arrive); let running jobs finish, then stop the engines.
+
+        Tasks are not failed: when the worker is going away Dask reruns them elsewhere, and when
+        only the plugin is removed they complete here without balancing.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            runners = list(self._runners.values())
+            jobs = list(self._jobs.values())
+        for runner in runners:
+            if runner.failure is None and self.transport is not None:
+                try:
+                    items = runner.suspend(match=lambda ref: not ref.is_local, with_kv=False).result(timeout=30)
+                except Exception:  # noqa: BLE001 - owners still hold the states they sent
+                    items = []
+                by_owner: dict[str, list[tuple[RowRef, bytes]]] = defaultdict(list)
+                for ref, state in items:
+                    by_owner[ref.owner].append((ref, state))  # type: ignore[index]
+                for owner, pairs in by_owner.items():
+                    self._bounce(owner, [r for r, _ in pairs], dict(pairs))
+        for job in jobs:
+            back = job.take_back(live=set())
+            if back:
+                self._resume_states(job, back)
+        with self._lock:
+            idle = not self._jobs
+        if idle:
+            self._close_runners()
+
+    def _close_runners(self) -> None:
+        with self._lock:
+            runners, self._runners = list(self._runners.values()), {}
+        for runner in runners:
+            runner.close()

@@ -1,0 +1,95 @@
+"""PartitionJob: the rows one task waits for, wherever their coroutines run.
+
+The task that owns a partition owns its rows. A row's coroutine runs in this worker's engine
+or, after a migration, on another worker (the holder). For a moved row the job keeps the
+suspended state bytes until its result arrives, so that the row can be resumed here if the
+holder disappears. The first result for a row wins: a row resumed here after a false alarm and
+also finished by its holder is not duplicated.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass
+
+from ..outputs import RequestOutput
+from .spec import EngineSpec
+
+
+@dataclass(slots=True)
+class RemoteRow:
+    holder: str  # worker address running the coroutine
+    state: bytes  # suspended coroutine as it left this worker
+
+
+class PartitionJob:
+    def __init__(self, spec: EngineSpec, num_rows: int, job_id: str | None = None) -> None:
+        self.spec = spec
+        self.job_id = job_id or uuid.uuid4().hex
+        self.outputs: list[RequestOutput | None] = [None] * num_rows
+        self._remote: dict[int, RemoteRow] = {}
+        self._pending = num_rows
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.failure: BaseException | None = None
+        self.generated_tokens = 0
+        if num_rows == 0:
+            self._done.set()
+
+    @property
+    def is_done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def rows_done(self) -> int:
+        return len(self.outputs) - self._pending
+
+    def deliver(self, row: int, output: RequestOutput) -> bool:
+        """Record a row's output; False when the row already had one (a duplicate)."""
+        with self._lock:
+            if self.outputs[row] is not None or self._done.is_set():
+                return False
+            self.outputs[row] = output
+            self._remote.pop(row, None)
+            self.generated_tokens += output.num_generated_tokens
+            self._pending -= 1
+            if self._pending == 0:
+                self._done.set()
+            return True
+
+    def moved(self, row: int, holder: str, state: bytes) -> None:
+        with self._lock:
+            if self.outputs[row] is None:
+                self._remote[row] = RemoteRow(holder, state)
+
+    def take_back(self, rows: list[int] | None = None, *, lost: set[str] | None = None,
+                  live: set[str] | None = None) -> list[tuple[int, bytes]]:
+        """Rows to resume here: the given ones, or those whose holder is in `lost` / not in `live`."""
+        with self._lock:
+            back: list[tuple[int, bytes]] = []
+            for row, remote in list(self._remote.items()):
+                gone = (rows is not None and row in rows) or (lost is not None and remote.holder in lost) \
+                    or (live is not None and remote.holder not in live)
+                if gone:
+                    back.append((row, remote.state))
+                    del self._remote[row]
+            return back
+
+    def holders(self) -> dict[int, str]:
+        with self._lock:
+            return {row: r.holder for row, r in self._remote.items()}
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self.failure = exc
+                self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def result(self) -> list[RequestOutput]:
+        if self.failure is not None:
+            raise self.failure
+        assert all(o is not None for o in self.outputs)
+        return self.outputs  # type: ignore[return-value]

@@ -1,0 +1,182 @@
+"""The scheduler side: a global view of every worker's engines and the balancing decisions.
+
+Workers push `Host.report()` every `push_interval` to the `batchgen_load` handler this plugin
+installs in `start()`; the reply carries the migration orders for that worker (from the pure
+policy in balance.py) and, when it changed, the set of live workers, from which owners learn
+that a holder of their coroutines is gone. `start()` also registers the worker plugin, so
+`Client.register_plugin(BalancePlugin())` is the whole setup; `close()` undoes both.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from distributed import SchedulerPlugin
+from distributed.protocol.pickle import dumps
+
+from .balance import BalanceConfig, CoroutineInfo, EngineLoad, Migration, plan_migrations
+from .worker import WORKER_PLUGIN, BatchgenWorkerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "batchgen-balance"
+SCHEDULER_HANDLERS = ("batchgen_load", "batchgen_metrics")
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """The last report of one worker, and when it came."""
+
+    report: dict[str, Any]
+    received: float
+    cooldown_until: float = 0.0
+
+
+@dataclass(slots=True)
+class PluginCounters:
+    orders: int = 0
+    ordered_coroutines: int = 0
+    ordered_tokens: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+    # counters of workers that left, so totals do not shrink when one dies
+    departed: dict[str, int] = field(default_factory=dict)
+
+
+class BalancePlugin(SchedulerPlugin):
+    """Global load view + split / combine / migrate decisions for batchgen engines."""
+
+    name = PLUGIN_NAME
+
+    def __init__(self, config: BalanceConfig | None = None, push_interval: float = 0.2,
+                 cooldown: float = 1.0, stale_after: float = 5.0) -> None:
+        self.config = config or BalanceConfig()
+        self.push_interval, self.cooldown, self.stale_after = push_interval, cooldown, stale_after
+        self.scheduler: Scheduler | None = None
+        self.views: dict[str, WorkerView] = {}
+        self.counters = PluginCounters()
+        self.epoch = 0
+        self.log: list[tuple[float, Migration]] = []  # recent orders, for debugging
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update({"batchgen_load": self.handle_load, "batchgen_metrics": self.metrics})
+        plugin = BatchgenWorkerPlugin(push_interval=self.push_interval)
+        await scheduler.register_worker_plugin(None, dumps(plugin), name=WORKER_PLUGIN, idempotent=False)
+
+    async def close(self) -> None:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        self.scheduler = None
+        for name in SCHEDULER_HANDLERS:
+            handler = scheduler.handlers.get(name)
+            if handler is not None and getattr(handler, "__self__", None) is self:
+                del scheduler.handlers[name]
+        if WORKER_PLUGIN in scheduler.worker_plugins:
+            try:
+                await scheduler.unregister_worker_plugin(None, WORKER_PLUGIN)
+            except Exception as exc:  # noqa: BLE001 - scheduler shutting down: workers go too
+                logger.debug("unregistering %s failed: %s", WORKER_PLUGIN, exc)
+
+    def add_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        self.epoch += 1
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        self.epoch += 1
+        view = self.views.pop(worker, None)
+        if view is not None:
+            for name, value in view.report.get("counters", {}).items():
+                self.counters.departed[name] = self.counters.departed.get(name, 0) + int(value)
+
+    # -- RPC handlers -----------------------------------------------------------------------------
+    def handle_load(self, worker: str, report: dict[str, Any], epoch: int) -> dict[str, Any]:
+        """A worker's load push. -> {"orders": migrations it must carry out, "epoch": n,
+        "workers": live worker addresses (only when `epoch` is not the current one)}."""
+        now = time.monotonic()
+        view = self.views.get(worker)
+        self.views[worker] = WorkerView(report, now, view.cooldown_until if view else 0.0)
+        orders = [o for o in self._plan(now) if o.src == worker]
+        for order in orders:
+            self._record(order, now)
+        reply: dict[str, Any] = {"orders": [asdict(o) for o in orders], "epoch": self.epoch, "workers": None}
+        if epoch != self.epoch and self.scheduler is not None:
+            reply["workers"] = list(self.scheduler.workers)
+        return reply
+
+    def metrics(self) -> dict[str, Any]:
+        """Per-worker engine load and counters, and cluster totals (see cluster.metrics)."""
+        workers: dict[str, dict[str, Any]] = {}
+        totals: dict[str, float] = dict(self.counters.departed)
+        for addr, view in sorted(self.views.items()):
+            engines = view.report.get("engines", {})
+            counters = view.report.get("counters", {})
+            for name, value in counters.items():
+                totals[name] = totals.get(name, 0) + value
+            workers[addr] = {
+                "coroutines": sum(e["waiting"] + e["running"] for e in engines.values()),
+                "waiting": sum(e["waiting"] for e in engines.values()),
+                "running": sum(e["running"] for e in engines.values()),
+                "remaining_tokens": sum(e["remaining_tokens"] for e in engines.values()),
+                "kv_used": max((e["kv_used"] for e in engines.values()), default=0.0),
+                "tokens_per_s": sum(e["tokens_per_s"] for e in engines.values()),
+                "jobs": view.report.get("jobs", 0),
+                "peak_jobs": view.report.get("peak_jobs", 0),
+                "age_s": time.monotonic() - view.received,
+                **counters,
+            }
+        totals["tokens_per_s"] = sum(w["tokens_per_s"] for w in workers.values())
+        return {"workers": workers, "totals": totals, "orders": self.counters.orders,
+                "ordered_coroutines": self.counters.ordered_coroutines,
+                "migrations": int(totals.get("migrated_out", 0)), "by_reason": dict(self.counters.by_reason),
+                "config": asdict(self.config)}
+
+    # -- planning ---------------------------------------------------------------------------------
+    def _plan(self, now: float) -> list[Migration]:
+        if not self.config.enabled:
+            return []
+        return plan_migrations(self._loads(now), self.config, arriving=self._tasks_arriving())
+
+    def _tasks_arriving(self) -> bool:
+        """Are tasks queued, or assigned to a worker and not yet running or seceded?"""
+        s = self.scheduler
+        if s is None:
+            return False
+        return bool(s.queued) or bool(s.unrunnable) or any(
+            len(ws.processing) > len(ws.long_running) for ws in s.workers.values())
+
+    def _loads(self, now: float) -> list[EngineLoad]:
+        fresh = {w: v for w, v in self.views.items()
+                 if now - v.received < self.stale_after and v.cooldown_until <= now}
+        models = {m for v in fresh.values() for m in v.report.get("engines", {})}
+        loads: list[EngineLoad] = []
+        for worker, view in fresh.items():
+            engines = view.report.get("engines", {})
+            for model in models:
+                e = engines.get(model)
+                if e is None:  # this worker could run it after loading the model
+                    loads.append(EngineLoad(worker, model, ready=False))
+                    continue
+                loads.append(EngineLoad(
+                    worker, model, bool(e["ready"]), int(e["waiting"]), int(e["running"]),
+                    int(e["remaining_tokens"]), float(e["kv_used"]), float(e["tokens_per_s"]),
+                    tuple(CoroutineInfo(int(s), int(r), int(c)) for s, r, c in e["movable"])))
+        return loads
+
+    def _record(self, order: Migration, now: float) -> None:
+        c = self.counters
+        c.orders += 1
+        c.ordered_coroutines += len(order.seq_ids)
+        c.ordered_tokens += order.tokens
+        c.by_reason[order.reason] = c.by_reason.get(order.reason, 0) + len(order.seq_ids)
+        for w in (order.src, order.dst):
+            if w in self.views:
+                self.views[w].cooldown_until = now + self.cooldown
+        self.log.append((now, order))
+        del self.log[:-100]
+        logger.info("batchgen %s: %d coroutines (%d tokens) %s -> %s", order.reason, len(order.seq_ids),
+                    order.tokens, order.src, order.dst)

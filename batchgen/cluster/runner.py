@@ -1,0 +1,240 @@
+"""EngineRunner: one engine and the one thread that owns it.
+
+The engine is not thread-safe, so nothing touches it but the loop thread. Everyone else (tasks
+adding rows, RPC handlers adopting migrated coroutines, migration orders) sends a command that
+runs at the next inter-forward yield point, between two `step()` calls. All partitions on a
+worker therefore run combined: each forward batches the coroutines of every partition.
+
+Each coroutine in the engine carries a `RowRef`: which job and row it computes, and which
+worker owns that job (None: this one). Finished rows go to `on_done` in batches, from the loop
+thread.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..outputs import RequestOutput
+from .balance import CoroutineInfo
+from .spec import EngineSpec
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..runtime.sequence import SeqId
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Most movable coroutines one load report lists (the policy needs candidates, not all of them).
+MAX_REPORTED = 256
+_SNAPSHOT_EVERY_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class RowRef:
+    job_id: str
+    row: int
+    owner: str | None = None  # worker address of the owning task; None: this worker
+
+    @property
+    def is_local(self) -> bool:
+        return self.owner is None
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerLoad:
+    ready: bool = False
+    waiting: int = 0
+    running: int = 0
+    kv_used: float = 0.0
+    remaining_tokens: int = 0
+    tokens_per_s: float = 0.0
+    generated_tokens: int = 0
+    movable: tuple[CoroutineInfo, ...] = ()
+
+
+Done = Callable[[list[tuple[RowRef, RequestOutput]]], None]
+Request = tuple[RowRef, Any, Any]  # (ref, prompt, SamplingParams)
+
+
+class EngineRunner:
+    """An engine on its own thread. `on_done(rows)` gets finished rows; `on_fail(exc, rows)` gets
+    the rows that were in the engine when it could not load or crashed."""
+
+    def __init__(self, spec: EngineSpec, on_done: Done,
+                 on_fail: Callable[[BaseException, list[RowRef]], None]) -> None:
+        self.spec = spec
+        self._on_done, self._on_fail = on_done, on_fail
+        self._inbox: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = queue.SimpleQueue()
+        self._tickets: dict[SeqId, RowRef] = {}
+        self._load = RunnerLoad()
+        self._closed = threading.Event()
+        self._gate = threading.Lock()  # a command is either queued before close / failure, or refused
+        self.failure: BaseException | None = None
+        self._tps, self._last_t, self._last_tokens, self._last_snap = 0.0, time.monotonic(), 0, 0.0
+        self._thread = threading.Thread(target=self._run, name=f"batchgen-engine:{spec.model}", daemon=True)
+        self._thread.start()
+
+    # -- any thread -------------------------------------------------------------------------------
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run fn(engine) on the loop thread at the next yield point."""
+        fut: Future[T] = Future()
+        with self._gate:
+            if self.failure is None and not self._closed.is_set():
+                self._inbox.put((fn, fut))
+                return fut
+        fut.set_exception(self.failure or RuntimeError("engine runner is closed"))
+        return fut
+
+    def submit(self, requests: list[Request]) -> Future[None]:
+        return self.call(lambda engine: self._add(engine, requests))
+
+    def adopt(self, items: list[tuple[RowRef, bytes]]) -> Future[list[RowRef]]:
+        """Resume suspended coroutines here; -> the refs whose state could not be resumed."""
+        return self.call(lambda engine: self._resume(engine, items))
+
+    def suspend(self, seq_ids: list[int] | None = None, match: Callable[[RowRef], bool] | None = None,
+                with_kv: bool | None = None) -> Future[list[tuple[RowRef, bytes]]]:
+        """Suspend the given (or matching) unfinished coroutines and hand back their state."""
+        return self.call(lambda engine: self._suspend(engine, seq_ids, match, with_kv))
+
+    def cancel(self, match: Callable[[RowRef], bool]) -> Future[int]:
+        return self.call(lambda engine: len(self._suspend(engine, None, match, False)))
+
+    @property
+    def load(self) -> RunnerLoad:
+        return self._load
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        with self._gate:
+            self._closed.set()
+        self._thread.join(timeout)
+
+    # -- loop thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            engine = self.spec.build()
+        except BaseException as exc:  # noqa: BLE001 - a model that cannot load fails its jobs
+            self._fail(exc)
+            return
+        self._snapshot(engine, force=True)
+        while not self._closed.is_set():
+            self._drain(engine, block=not engine.has_unfinished())
+            if engine.has_unfinished():
+                try:
+                    finished = engine.step()
+                except BaseException as exc:  # noqa: BLE001
+                    self._fail(exc)
+                    return
+                self._finish(engine, finished)
+            self._snapshot(engine)
+        self._drain(engine, block=False)
+
+    def _fail(self, exc: BaseException) -> None:
+        logger.exception("batchgen engine %s failed", self.spec.key, exc_info=exc)
+        with self._gate:
+            self.failure = exc
+        while True:
+            try:
+                _, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            fut.set_exception(exc)
+        refs, self._tickets = list(self._tickets.values()), {}
+        self._on_fail(exc, refs)
+
+    def _drain(self, engine: Engine, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(engine))
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                    fut.set_exception(exc)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, engine: Engine, requests: list[Request]) -> None:
+        done: list[tuple[RowRef, RequestOutput]] = []
+        for ref, prompt, params in requests:
+            try:
+                seq_id = engine.add_request(prompt, params, index=ref.row)
+            except Exception as exc:  # noqa: BLE001 - one odd row must not sink its partition
+                done.append((ref, RequestOutput(ref.row, [], [], "", "error", f"{type(exc).__name__}: {exc}")))
+                continue
+            self._tickets[seq_id] = ref
+            if engine.get(seq_id).is_finished:
+                del self._tickets[seq_id]
+                done.append((ref, engine.pop_output(seq_id)))
+        if done:
+            self._on_done(done)
+
+    def _resume(self, engine: Engine, items: list[tuple[RowRef, bytes]]) -> list[RowRef]:
+        rejected: list[RowRef] = []
+        done: list[tuple[RowRef, RequestOutput]] = []
+        for ref, state in items:
+            try:
+                seq_id = engine.resume(state)
+            except Exception:  # noqa: BLE001 - StateError or a corrupt payload: the owner keeps it
+                logger.exception("cannot resume coroutine %s", ref)
+                rejected.append(ref)
+                continue
+            if engine.get(seq_id).is_finished:
+                done.append((ref, engine.pop_output(seq_id)))
+            else:
+                self._tickets[seq_id] = ref
+        if done:
+            self._on_done(done)
+        return rejected
+
+    def _suspend(self, engine: Engine, seq_ids: list[int] | None, match: Callable[[RowRef], bool] | None,
+                 with_kv: bool | None) -> list[tuple[RowRef, bytes]]:
+        chosen = [s for s in (seq_ids if seq_ids is not None else list(self._tickets))
+                  if s in self._tickets and (match is None or match(self._tickets[s]))]
+        out: list[tuple[RowRef, bytes]] = []
+        for seq_id in chosen:
+            if engine.get(seq_id).is_finished:  # type: ignore[arg-type]
+                continue
+            ref = self._tickets.pop(seq_id)  # type: ignore[arg-type]
+            out.append((ref, engine.suspend(seq_id, with_kv=with_kv)))  # type: ignore[arg-type]
+        return out
+
+    def _finish(self, engine: Engine, finished: list[Any]) -> None:
+        done = [(self._tickets.pop(seq.seq_id), engine.pop_output(seq.seq_id))
+                for seq in finished if seq.seq_id in self._tickets]
+        if done:
+            self._on_done(done)
+
+    def _snapshot(self, engine: Engine, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_snap < _SNAPSHOT_EVERY_S:
+            return
+        self._last_snap = now
+        load = engine.load()
+        generated = int(engine.stats.generated_tokens)
+        if now - self._last_t >= 1.0:
+            rate = (generated - self._last_tokens) / (now - self._last_t)
+            self._tps = rate if self._tps == 0 else 0.5 * self._tps + 0.5 * rate
+            self._last_t, self._last_tokens = now, generated
+        movable = []
+        for seq_id, remaining in load["remaining_by_seq"].items():
+            ref = self._tickets.get(seq_id)
+            if ref is not None and ref.is_local:
+                movable.append(CoroutineInfo(int(seq_id), int(remaining), engine.get(seq_id).num_computed))
+        # not-started ones first (free to move), then most remaining
+        movable.sort(key=lambda c: (c.is_started, -c.remaining))
+        self._load = RunnerLoad(True, load["waiting"], load["running"], float(load["kv_used_fraction"]),
+                                int(load["remaining_tokens"]), self._tps, generated,
+                                tuple(movable[:MAX_REPORTED]))

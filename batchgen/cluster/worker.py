@@ -1,0 +1,182 @@
+"""The worker side: one Host per Dask worker, its RPC handlers, and the load pusher.
+
+Why a worker extension with RPC handlers and not a Dask actor holding the engine:
+
+- One engine per worker, on every worker, including workers that join or are restarted later:
+  a WorkerPlugin's `setup` runs on each of them. Actors are created by a client call per worker
+  and are not recreated when their worker dies; a lost actor fails every future that uses it.
+- Unchanged user code: `ddf.map_partitions(batchgen.generate, model=...)` finds the engine in
+  `get_worker().extensions`. With actors the graph would have to carry an actor handle per
+  worker, which a partition function on an arbitrary DataFrame cannot know.
+- Migration is worker-to-worker: the owner sends coroutine states straight to the holder's
+  `batchgen_adopt` handler and results come straight back to `batchgen_result`. The scheduler
+  plugin only decides. With actors every move would go through actor futures and the client.
+- Fault handling needs state that outlives a task and a peer: the owner keeps suspended states
+  until results arrive and resumes them when the holder vanishes. An extension sees the whole
+  worker (all its tasks' jobs); an actor sees only calls made to it.
+
+Handlers here run on the worker's event loop and never touch the engine: they queue commands
+for the engine's loop thread (runner.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from distributed import WorkerPlugin
+
+from .balance import Migration
+from .host import Host
+from .spec import EngineSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from distributed import Worker
+
+logger = logging.getLogger(__name__)
+
+EXTENSION = "batchgen"
+WORKER_PLUGIN = "batchgen-worker"
+HANDLERS = ("batchgen_adopt", "batchgen_result", "batchgen_bounce")
+_create_lock = threading.Lock()
+
+
+class WorkerTransport:
+    """Host -> other workers, through the worker's connection pool on its event loop."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.address: str = worker.address
+
+    def send(self, address: str, op: str, msg: dict[str, Any],
+             on_error: Callable[[BaseException], None] | None = None) -> None:
+        async def go() -> None:
+            try:
+                await getattr(self.worker.rpc(address), op)(**msg)
+            except Exception as exc:  # noqa: BLE001 - a peer that left; the caller decides
+                if on_error is not None:
+                    on_error(exc)
+                else:
+                    logger.info("batchgen %s to %s failed: %s", op, address, exc)
+
+        self.worker.loop.add_callback(go)
+
+
+class WorkerSide:
+    """Per-worker batchgen state, stored as `worker.extensions["batchgen"]`."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.host = Host(WorkerTransport(worker))
+        self.epoch = -1
+        self.live: set[str] | None = None
+        self._pusher: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def install(self) -> None:
+        self.worker.handlers.update({"batchgen_adopt": self.adopt, "batchgen_result": self.result,
+                                     "batchgen_bounce": self.bounce})
+        self.worker.extensions[EXTENSION] = self
+
+    # -- RPC handlers -----------------------------------------------------------------------------
+    def adopt(self, owner: str, spec: dict[str, Any], items: list[list[Any]]) -> None:
+        """Hold coroutines for another worker's task: `items` are [job_id, row, state bytes].
+
+        Results go back to `owner` by `batchgen_result`; rows that cannot run here go back by
+        `batchgen_bounce`.
+        """
+        self.host.adopt(owner, EngineSpec.from_msg(spec), [(str(j), int(r), bytes(s)) for j, r, s in items])
+
+    def result(self, jobs: dict[str, list[list[Any]]]) -> None:
+        """Outputs of this worker's rows that ran elsewhere: {job_id: [[row, pickled RequestOutput]]}."""
+        self.host.receive_results(jobs)
+
+    def bounce(self, jobs: dict[str, list[list[Any]]]) -> None:
+        """Rows handed back by their holder: {job_id: [[row, fresh state bytes or None]]}; resume here."""
+        self.host.receive_bounce(jobs)
+
+    # -- talking to the scheduler plugin ----------------------------------------------------------
+    def start_pushing(self, interval: float) -> None:
+        if self._pusher is None:
+            self._pusher = asyncio.get_running_loop().create_task(self._push_loop(interval))
+
+    async def _push_loop(self, interval: float) -> None:
+        while not self._closed:
+            await asyncio.sleep(interval)
+            try:
+                reply = await self.worker.scheduler.batchgen_load(
+                    worker=self.worker.address, report=self.host.report(), epoch=self.epoch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - scheduler restarting or plugin gone: keep going
+                logger.debug("batchgen load push failed: %s", exc)
+                continue
+            self.apply(reply)
+
+    def apply(self, reply: dict[str, Any]) -> None:
+        """Carry out the plugin's reply: migration orders, and the live worker set when it changed."""
+        if reply.get("workers") is not None:
+            self.epoch = int(reply["epoch"])
+            self.live = set(reply["workers"])
+            self.host.drop_orphans(self.live)
+        if self.live is not None:
+            self.host.recover(self.live)
+        for order in reply.get("orders", ()):
+            self.host.execute(Migration(**{**order, "seq_ids": tuple(order["seq_ids"])}))
+
+    async def aclose(self) -> None:
+        """Stop pushing, remove the handlers, detach the host (running tasks finish without balancing)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pusher is not None:
+            self._pusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pusher
+        for name in HANDLERS:
+            if getattr(self.worker.handlers.get(name), "__self__", None) is self:
+                del self.worker.handlers[name]
+        if self.worker.extensions.get(EXTENSION) is self:
+            del self.worker.extensions[EXTENSION]
+        await asyncio.to_thread(self.host.close)
+
+    async def close(self) -> None:  # Worker.close calls extensions' close()
+        await self.aclose()
+
+
+def ensure_side(worker: Worker) -> WorkerSide:
+    """This worker's WorkerSide, created (and its handlers installed) on first use."""
+    with _create_lock:
+        side = worker.extensions.get(EXTENSION)
+        if side is None:
+            side = WorkerSide(worker)
+            side.install()
+        return side
+
+
+@functools.cache
+def local_host() -> Host:
+    """The process-wide host for calls outside any Dask worker (engines cached per spec)."""
+    return Host(None)
+
+
+@dataclasses.dataclass
+class BatchgenWorkerPlugin(WorkerPlugin):
+    """Installs the worker side on every worker (now and later) and pushes its load."""
+
+    push_interval: float = 0.2
+    name: str = WORKER_PLUGIN
+
+    async def setup(self, worker: Worker) -> None:
+        ensure_side(worker).start_pushing(self.push_interval)
+
+    async def teardown(self, worker: Worker) -> None:
+        side = worker.extensions.get(EXTENSION)
+        if side is not None:
+            await side.aclose()

@@ -1,0 +1,179 @@
+"""Skewed batch job on a 2-worker LocalCluster: batchgen against what a Dask user writes today.
+
+Rows are sorted by output length, so the last partitions hold the longest rows and whichever
+worker gets them becomes the tail. Compared, all with warm models, all greedy, exact lengths
+(ignore_eos, per-row max_tokens):
+
+  hf        map_partitions + a transformers model cached per worker, `generate` on fixed chunks
+            of rows with left padding (each chunk runs to its longest row)
+  static    batchgen, one engine per worker combining its partitions, no split / migration
+  batchgen  batchgen with split and migration
+  ideal     one engine over all rows, in one worker, divided by the number of workers
+  balanced  every worker runs one engine over an equal share of the rows (every n-th row by
+            length), all at once: the best any placement can do on this machine. On a shared
+            or oversubscribed machine it is far above `ideal`: workers that run side by side
+            each go slower than one alone, and balancing cannot win that back.
+
+Prints completion-time ratios (the headline) and, below them, the seconds they come from.
+
+    python benchmarks/bench_cluster.py                  # demo model, ~3-5 minutes on 2 cores
+    python benchmarks/bench_cluster.py --rows 32 --max-tokens 64   # quicker
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import dask.dataframe as dd
+import pandas as pd
+import pyarrow as pa
+from distributed import Client, LocalCluster, get_worker
+
+import batchgen.cluster as bc
+from batchgen.cluster.balance import BalanceConfig
+
+
+def make_rows(n: int, vocab: int, min_tokens: int, max_tokens: int, seed: int) -> pd.DataFrame:
+    rng = random.Random(seed)
+    prompts = [[1] + [rng.randrange(5, vocab) for _ in range(rng.randint(8, 32))] for _ in range(n)]
+    lengths = sorted(rng.randint(min_tokens, max_tokens) for _ in range(n))  # skew: long rows last
+    return pd.DataFrame({"prompt": pd.Series(prompts, dtype=pd.ArrowDtype(pa.list_(pa.int64()))),
+                         "max_tokens": lengths})
+
+
+# -- (a) what a Dask user writes today -----------------------------------------------------------
+def hf_partition(pdf: pd.DataFrame, model: str, chunk: int, pad_id: int) -> pd.DataFrame:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    worker = get_worker()
+    hf = getattr(worker, "_bench_hf_model", None)
+    if hf is None:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        worker._bench_hf_model = hf  # cached per worker
+    counts: list[int] = []
+    for start in range(0, len(pdf), chunk):
+        part = pdf.iloc[start:start + chunk]
+        prompts = [list(p) for p in part["prompt"]]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        new = int(part["max_tokens"].max())
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=pad_id)
+        counts += [min(int(m), out.shape[1] - width) for m in part["max_tokens"]]
+    return pdf.assign(num_generated_tokens=counts)
+
+
+# -- single engine (ideal bound) -----------------------------------------------------------------
+def single_engine_seconds(pdf: pd.DataFrame, model: str, options: dict[str, Any]) -> float:
+    from batchgen import Engine, SamplingParams
+
+    engine = Engine(model, **options)
+    params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True) for m in pdf["max_tokens"]]
+    prompts = [list(p) for p in pdf["prompt"]]
+    engine.generate(prompts[:2], params[:2])  # warm up
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    return time.perf_counter() - t0
+
+
+def balanced_seconds(client: Client, pdf: pd.DataFrame, model: str, options: dict[str, Any]) -> float:
+    names = sorted(client.scheduler_info()["workers"])
+    shares = [pdf.iloc[i::len(names)] for i in range(len(names))]
+    return max(client.gather([client.submit(single_engine_seconds, share, model, options, workers=[w], pure=False)
+                              for w, share in zip(names, shares)]))
+
+
+def run_batchgen(client: Client, ddf: dd.DataFrame, model: str, options: dict[str, Any]) -> float:
+    t0 = time.perf_counter()
+    out = ddf.map_partitions(bc.generate, model=model, per_row={"max_tokens": "max_tokens"}, engine_options=options,
+                             temperature=0.0, ignore_eos=True).compute()
+    seconds = time.perf_counter() - t0
+    assert (out["num_generated_tokens"] == out["max_tokens"]).all(), "a row came back short"
+    return seconds
+
+
+def warm_up(client: Client, model: str, options: dict[str, Any], vocab: int) -> None:
+    rows = make_rows(2, vocab, 2, 2, seed=1)
+    client.gather([client.submit(bc.generate, rows, model=model, per_row={"max_tokens": "max_tokens"},
+                                 engine_options=options, workers=[w], pure=False)
+                   for w in client.scheduler_info()["workers"]])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: build the demo model)")
+    ap.add_argument("--rows", type=int, default=384)
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--min-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=16, help="rows per transformers generate call")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=2, help="static / batchgen runs, alternated; best kept")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+
+    from batchgen.demo import PAD_ID, build_demo_model, tokenizer_vocab_size
+
+    model = args.model or str(build_demo_model(Path(tempfile.gettempdir()) / "batchgen-bench-demo", dtype="float32"))
+    vocab = tokenizer_vocab_size(model)
+    options: dict[str, Any] = {"dtype": "float32", "kv_cache_bytes": 256 << 20}
+    pdf = make_rows(args.rows, vocab, args.min_tokens, args.max_tokens, seed=0)
+    tokens = int(pdf["max_tokens"].sum())
+    cores = os.cpu_count() or 1
+    env = {"OMP_NUM_THREADS": str(max(1, cores // args.workers))}
+    print(f"{args.rows} rows in {args.partitions} partitions sorted by length ({args.min_tokens}-{args.max_tokens} "
+          f"tokens, {tokens} in all), {args.workers} workers x 1 thread, {env['OMP_NUM_THREADS']} torch thread(s) each",
+          file=sys.stderr)
+
+    seconds: dict[str, float] = {}
+    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+                      env=env) as cluster, Client(cluster) as client:
+        ddf = dd.from_pandas(pdf, npartitions=args.partitions, sort=False)
+        first = sorted(client.scheduler_info()["workers"])[0]
+        seconds["single"] = client.submit(single_engine_seconds, pdf, model, options, workers=[first]).result()
+        moved: dict[str, Any] = {}
+        for _ in range(args.repeat):  # alternate, keep the best of each: the machine's load drifts
+            seconds["balanced"] = min(seconds.get("balanced", float("inf")),
+                                      balanced_seconds(client, pdf, model, options))
+            bc.connect(client=client, balance=BalanceConfig(split=False, migrate=False))
+            warm_up(client, model, options, vocab)
+            seconds["static"] = min(seconds.get("static", float("inf")), run_batchgen(client, ddf, model, options))
+            bc.connect(client=client)  # re-registers the plugin with splitting and migration on
+            warm_up(client, model, options, vocab)
+            seconds["batchgen"] = min(seconds.get("batchgen", float("inf")), run_batchgen(client, ddf, model, options))
+            moved = bc.metrics(client)
+        bc.disconnect(client)
+
+        if not args.skip_hf:
+            client.gather([client.submit(hf_partition, pdf.iloc[:1], model, args.chunk, PAD_ID, workers=[w], pure=False)
+                           for w in client.scheduler_info()["workers"]])
+            t0 = time.perf_counter()
+            ddf.map_partitions(hf_partition, model, args.chunk, PAD_ID,
+                               meta=pdf.iloc[:0].assign(num_generated_tokens=0)).compute()
+            seconds["hf"] = time.perf_counter() - t0
+
+    ideal = seconds["single"] / args.workers
+    b = seconds["batchgen"]
+    print("\nbatch completion time ratios (lower is better for the left side):")
+    print(f"  batchgen / ideal (single engine / {args.workers})  {b / ideal:6.2f}")
+    print(f"  batchgen / balanced  (equal shares, measured)  {b / seconds['balanced']:6.2f}")
+    print(f"  balanced / ideal     (machine's parallel loss)  {seconds['balanced'] / ideal:6.2f}")
+    print(f"  static   / batchgen  (no split, no migration)  {seconds['static'] / b:6.2f}")
+    if "hf" in seconds:
+        print(f"  hf       / batchgen  (transformers, chunks of {args.chunk})  {seconds['hf'] / b:6.2f}")
+    print(f"  migrated coroutines (last batchgen run): {moved.get('migrations', 0)}, "
+          f"by reason {moved.get('by_reason', {})}")
+    print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f", ideal {ideal:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""batchgen on a real LocalCluster (2 worker processes x 1 thread, tiny Mixtral): results equal a
+single engine's row for row, long partitions migrate to the idle worker, a SIGKILLed worker
+loses and duplicates no row, and the plugin's handlers come and go with it.
+
+One cluster for the module; the worker-kill test runs after the others that need both workers.
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import dask.dataframe as dd
+import pandas as pd
+import pytest
+import torch
+from distributed import Client, Future, LocalCluster
+
+import batchgen.cluster as bc
+from batchgen import Engine, SamplingParams
+from batchgen.cluster.frame import OUTPUT_COLUMNS
+from batchgen.cluster.plugin import PLUGIN_NAME, SCHEDULER_HANDLERS
+from batchgen.cluster.worker import EXTENSION, HANDLERS, WORKER_PLUGIN
+
+OPTIONS = {"kv_cache_bytes": 16 << 20}
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+TEXTS = ["The quick brown fox", "def f(x):", "a", "Hello, world!", "x = 1\ny = 2", "import os", "# note", "if"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint_factory: Callable[..., Path]) -> Path:
+    return checkpoint_factory("mixtral")
+
+
+@pytest.fixture(scope="module")
+def client(ckpt: Path) -> Iterator[Client]:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:
+        bc.connect(client=c, push_interval=0.1)
+        # load the model on both workers, so that either can take migrated work from the start
+        c.gather([submit(c, rows(1, lambda i: 1), ckpt, w) for w in workers(c)])
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt: Path) -> Callable[[pd.DataFrame], list[str]]:
+    engine = Engine(ckpt, **OPTIONS)
+
+    def run(pdf: pd.DataFrame) -> list[str]:
+        params = [SamplingParams(max_tokens=int(m), **GREEDY) for m in pdf["max_tokens"]]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # 2 OpenMP threads next to 2 busy workers on 2 cores crawl
+        try:
+            return [o.text for o in engine.generate(list(pdf["prompt"]), params)]
+        finally:
+            torch.set_num_threads(threads)
+    return run
+
+
+def rows(n: int, max_tokens: Callable[[int], int], start: int = 0) -> pd.DataFrame:
+    prompts = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(start, start + n)]
+    return pd.DataFrame({"prompt": prompts, "max_tokens": [max_tokens(i) for i in range(n)]},
+                        index=pd.RangeIndex(start, start + n))
+
+
+def submit(client: Client, pdf: pd.DataFrame, model: Path, worker: str, loose: bool = False) -> Future:
+    return client.submit(bc.generate, pdf, model=model, per_row={"max_tokens": "max_tokens"},
+                         engine_options=OPTIONS, workers=[worker], allow_other_workers=loose, pure=False, **GREEDY)
+
+
+def workers(client: Client) -> list[str]:
+    return sorted(client.scheduler_info()["workers"])
+
+
+def worker_metrics(client: Client) -> dict[str, dict[str, Any]]:
+    return bc.metrics(client).get("workers", {})
+
+
+def recovered_on(client: Client, worker: str) -> int:
+    return client.run(lambda dask_worker: dask_worker.extensions[EXTENSION].host.counters.recovered,
+                      workers=[worker])[worker]
+
+
+def test_plugin_and_handlers_are_installed(client: Client) -> None:
+    assert client.run_on_scheduler(lambda dask_scheduler: PLUGIN_NAME in dask_scheduler.plugins)
+    assert client.run_on_scheduler(lambda dask_scheduler: sorted(h for h in dask_scheduler.handlers
+                                                                 if h.startswith("batchgen"))) \
+        == sorted(SCHEDULER_HANDLERS)
+    per_worker = client.run(lambda dask_worker: (sorted(h for h in dask_worker.handlers if h.startswith("batchgen")),
+                                                 WORKER_PLUGIN in dask_worker.plugins,
+                                                 EXTENSION in dask_worker.extensions))
+    assert list(per_worker.values()) == [(sorted(HANDLERS), True, True)] * 2
+
+
+def test_map_partitions_equals_one_engine(client: Client, ckpt: Path, reference: Any) -> None:
+    pdf = rows(20, lambda i: 2 + (7 * i) % 11)
+    pdf.loc[7, "prompt"] = ""  # a bad row among good ones
+    ddf = dd.from_pandas(pdf, npartitions=5)
+    out = ddf.map_partitions(bc.generate, model=ckpt, per_row={"max_tokens": "max_tokens"},
+                             engine_options=OPTIONS, **GREEDY).compute()
+    assert list(out.index) == list(pdf.index) and list(out.columns) == [*pdf.columns, *OUTPUT_COLUMNS]
+    good = pdf.drop(index=7)
+    assert out.drop(index=7)["generated_text"].tolist() == reference(good)
+    assert out.drop(index=7)["num_generated_tokens"].tolist() == good["max_tokens"].tolist()
+    assert out.loc[7, "finish_reason"] == "error" and "row 7: prompt must not be empty" in out.loc[7, "error"]
+    lazy = bc.generate_dataframe(dd.from_pandas(good, npartitions=3), model=ckpt,
+                                 per_row={"max_tokens": "max_tokens"}, engine_options=OPTIONS, **GREEDY)
+    log = io.StringIO()
+    with bc.progress(client, total=len(good), mode="lines", file=log, interval=0.2):
+        assert lazy.compute()["generated_text"].tolist() == reference(good)
+    assert f"{len(good)}/{len(good)} rows (100%)" in log.getvalue().splitlines()[-1]
+
+
+def test_long_partitions_migrate_to_the_idle_worker(client: Client, ckpt: Path, reference: Any) -> None:
+    busy, idle = workers(client)
+    long_parts = [rows(8, lambda i: 150 + 10 * i, start=100 + 10 * k) for k in range(2)]
+    short = rows(4, lambda i: 2, start=200)
+    before = bc.metrics(client)["migrations"]
+    futures = [submit(client, p, ckpt, busy) for p in long_parts] + [submit(client, short, ckpt, idle)]
+    outs = client.gather(futures)
+    for pdf, out in zip([*long_parts, short], outs):
+        assert out["generated_text"].tolist() == reference(pdf)
+        assert out["num_generated_tokens"].tolist() == pdf["max_tokens"].tolist()
+    # both long partitions waited at once on a 1-thread worker: their tasks seceded
+    assert client.run(lambda dask_worker: dask_worker.extensions[EXTENSION].host.peak_jobs, workers=[busy])[busy] >= 2
+    time.sleep(0.5)  # the last counters arrive with the next pushes
+    m = bc.metrics(client)
+    assert m["migrations"] > before
+    assert m["workers"][busy]["migrated_out"] > 0 and m["workers"][idle]["migrated_in"] > 0
+    assert m["workers"][idle]["returned"] > 0
+
+
+def test_worker_killed_mid_job_loses_and_duplicates_nothing(client: Client, ckpt: Path, reference: Any) -> None:
+    owner, holder = workers(client)
+    long_part = rows(8, lambda i: 400 + 10 * i, start=300)  # the tiny model's context is 512
+    short = rows(4, lambda i: 2, start=400)
+    before_orders = bc.metrics(client)["ordered_coroutines"]
+    before_recovered = recovered_on(client, owner)
+    futures = [submit(client, long_part, ckpt, owner, loose=True), submit(client, short, ckpt, holder, loose=True)]
+    deadline = time.monotonic() + 60
+    # kill as soon as the plugin orders a move to the holder: the coroutines are then in flight
+    # to it or running there, and the owner holds their states
+    while bc.metrics(client)["ordered_coroutines"] == before_orders:
+        assert time.monotonic() < deadline and not futures[0].done(), "no migration was ordered"
+        time.sleep(0.02)
+    pid = client.run(os.getpid, workers=[holder])[holder]
+    os.kill(pid, signal.SIGKILL)
+    outs = client.gather(futures)
+    for pdf, out in zip([long_part, short], outs):
+        assert list(out.index) == list(pdf.index)
+        assert out["generated_text"].tolist() == reference(pdf)
+        assert out["num_generated_tokens"].tolist() == pdf["max_tokens"].tolist()
+    assert recovered_on(client, owner) > before_recovered
+
+
+def test_disconnect_removes_plugin_and_handlers(client: Client) -> None:
+    client.wait_for_workers(2, timeout=60)
+    bc.disconnect(client)
+    assert not client.run_on_scheduler(lambda dask_scheduler: PLUGIN_NAME in dask_scheduler.plugins
+                                       or any(h.startswith("batchgen") for h in dask_scheduler.handlers))
+    left = client.run(lambda dask_worker: (any(h.startswith("batchgen") for h in dask_worker.handlers),
+                                           WORKER_PLUGIN in dask_worker.plugins, EXTENSION in dask_worker.extensions))
+    assert list(left.values()) == [(False, False, False)] * 2
+    bc.connect(client=client)
+    assert bc.is_installed(client)
+
+
+def test_connect_without_address_starts_a_local_cluster_with_the_plugin() -> None:
+    own = bc.connect(n_workers=1)
+    try:
+        assert len(own.scheduler_info()["workers"]) == 1 and bc.is_installed(own)
+        threads = own.run(lambda: os.environ.get("OMP_NUM_THREADS"))
+        assert list(threads.values()) == [str(os.cpu_count() or 1)]  # one worker gets every core
+    finally:
+        cluster = own.cluster
+        own.close()
+        cluster.close()
+
+
+def test_gpu_layout_gives_each_worker_its_own_device() -> None:
+    from batchgen.cluster.client import gpu_worker_spec
+
+    spec = gpu_worker_spec(3, gpus=2, cpu_threads=4)
+    assert [s["options"]["env"]["CUDA_VISIBLE_DEVICES"] for s in spec.values()] == ["0", "1", "0"]
+    assert all(s["options"]["nthreads"] == 1 for s in spec.values())

@@ -1,0 +1,134 @@
+"""The balancing policy alone: loads in, orders out. No torch, no model, no cluster."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from batchgen.cluster.balance import BalanceConfig, CoroutineInfo, EngineLoad, Migration, plan_migrations
+
+M = "model"
+
+
+def load(worker: str, coroutines: list[tuple[int, int, int]], *, ready: bool = True, kv_used: float = 0.0,
+         model: str = M) -> EngineLoad:
+    """coroutines: (seq_id, remaining, num_computed)."""
+    infos = tuple(CoroutineInfo(s, r, c) for s, r, c in coroutines)
+    return EngineLoad(worker, model, ready, sum(c == 0 for _, _, c in coroutines),
+                      sum(c > 0 for _, _, c in coroutines), sum(r for _, r, _ in coroutines), kv_used, 0.0, infos)
+
+
+def moved_tokens(orders: list[Migration]) -> int:
+    return sum(o.tokens for o in orders)
+
+
+def test_module_is_pure() -> None:
+    tree = ast.parse(Path(__file__).parents[1].joinpath("batchgen/cluster/balance.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= {"__future__", "collections", "dataclasses"}, imported
+
+
+def test_balanced_cluster_gets_no_orders() -> None:
+    a = load("a", [(i, 50, 10) for i in range(4)])
+    b = load("b", [(i, 50, 10) for i in range(4)])
+    assert plan_migrations([a, b]) == []
+
+
+def test_long_tail_moves_half_to_the_idle_worker() -> None:
+    a = load("a", [(i, 100, 40) for i in range(6)])
+    b = load("b", [])
+    [order] = plan_migrations([a, b])
+    assert (order.src, order.dst, order.model, order.reason) == ("a", "b", M, "migrate")
+    assert len(order.seq_ids) == 3 and order.tokens == 300
+
+
+def test_unstarted_coroutines_move_first_as_a_split() -> None:
+    running = [(i, 80, 30) for i in range(4)]
+    waiting = [(10 + i, 80, 0) for i in range(4)]
+    [order] = plan_migrations([load("a", running + waiting), load("b", [])])
+    assert order.reason == "split"
+    assert set(order.seq_ids) == {10, 11, 12, 13}
+
+
+def test_never_moves_past_half_the_gap() -> None:
+    a = load("a", [(0, 90, 5), (1, 50, 5), (2, 30, 5), (3, 7, 5)])  # 177 tokens
+    [order] = plan_migrations([a, load("b", [])])
+    assert order.tokens <= 177 / 2
+    assert order.tokens == 87  # 50 + 30 + 7: largest first that fit
+
+
+def test_a_lone_coroutine_is_not_split() -> None:
+    assert plan_migrations([load("a", [(0, 500, 100)]), load("b", [])]) == []
+
+
+@pytest.mark.parametrize("remaining", [1, 3])
+def test_nearly_done_coroutines_stay(remaining: int) -> None:
+    a = load("a", [(i, remaining, 10) for i in range(40)])
+    assert plan_migrations([a, load("b", [])], BalanceConfig(min_move_tokens=1)) == []
+
+
+def test_small_imbalance_is_left_alone() -> None:
+    a = load("a", [(i, 10, 5) for i in range(5)])  # 50
+    b = load("b", [(i, 10, 5) for i in range(4)])  # 40: gap under 2 * min_move_tokens
+    assert plan_migrations([a, b]) == []
+    ratio = BalanceConfig(min_move_tokens=1, imbalance_ratio=2.0)
+    assert plan_migrations([load("a", [(i, 10, 5) for i in range(15)]), load("b", [(0, 10, 5)] * 10)], ratio) == []
+
+
+def test_switches_off() -> None:
+    loads = [load("a", [(i, 100, 0) for i in range(4)] + [(9, 100, 50), (8, 100, 50)]), load("b", [])]
+    assert plan_migrations(loads, BalanceConfig(split=False, migrate=False)) == []
+    [order] = plan_migrations(loads, BalanceConfig(split=False))
+    assert set(order.seq_ids) <= {8, 9}
+    [order] = plan_migrations(loads, BalanceConfig(migrate=False))
+    assert set(order.seq_ids) <= {0, 1, 2, 3} and order.reason == "split"
+
+
+def test_running_coroutines_wait_for_the_tail_while_tasks_arrive() -> None:
+    loads = [load("a", [(i, 100, 0) for i in range(4)] + [(9, 100, 50), (8, 100, 50)]), load("b", [])]
+    [order] = plan_migrations(loads, arriving=True)
+    assert set(order.seq_ids) <= {0, 1, 2, 3} and order.reason == "split"
+    running_only = [load("a", [(i, 100, 50) for i in range(6)]), load("b", [])]
+    assert plan_migrations(running_only, arriving=True) == []
+    assert plan_migrations(running_only, BalanceConfig(tail_only=False), arriving=True) != []
+
+
+def test_full_destination_takes_nothing() -> None:
+    a = load("a", [(i, 100, 10) for i in range(6)])
+    assert plan_migrations([a, load("b", [], kv_used=0.95)]) == []
+
+
+def test_cold_worker_only_for_big_work() -> None:
+    a = load("a", [(i, 100, 0) for i in range(6)])
+    cold = EngineLoad("b", M, ready=False)
+    assert plan_migrations([a, cold]) == []
+    [order] = plan_migrations([a, cold], BalanceConfig(cold_start_tokens=500))
+    assert order.dst == "b"
+
+
+def test_spreads_over_several_idle_workers_and_models_stay_apart() -> None:
+    a = load("a", [(i, 100, 0) for i in range(12)])
+    others = [load(w, []) for w in ("b", "c", "d")]
+    other_model = load("e", [], model="other")
+    orders = plan_migrations([a, *others, other_model])
+    assert {o.dst for o in orders} == {"b", "c", "d"}
+    assert all(o.src == "a" and o.model == M for o in orders)
+    assert len({s for o in orders for s in o.seq_ids}) == sum(len(o.seq_ids) for o in orders)  # no seq twice
+    assert 12 * 100 - moved_tokens(orders) >= 200  # the source keeps its share
+
+
+def test_recompute_cost_counts_against_running_coroutines() -> None:
+    # equal remaining; the one with more KV to recompute is moved last
+    a = load("a", [(0, 60, 500), (1, 60, 10), (2, 60, 10), (3, 60, 10)])
+    [order] = plan_migrations([a, load("b", [])], BalanceConfig(recompute_weight=0.1))
+    assert 0 not in order.seq_ids
+
+
+def test_bad_config_is_named() -> None:
+    with pytest.raises(ValueError, match="imbalance_ratio"):
+        BalanceConfig(imbalance_ratio=0.5)
+    with pytest.raises(ValueError, match="max_kv_used"):
+        BalanceConfig(max_kv_used=2.0)

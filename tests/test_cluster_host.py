@@ -1,0 +1,168 @@
+"""The migration protocol between two Hosts in one process (no Dask): an in-process bus stands in
+for the RPC handlers. Moved rows come back to their owner exactly once, whether the holder
+returns them, vanishes, hands them back on close, or cannot be reached."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from batchgen import Engine, SamplingParams
+from batchgen.cluster.balance import Migration
+from batchgen.cluster.host import Host
+from batchgen.cluster.job import PartitionJob
+from batchgen.cluster.spec import EngineSpec
+
+OPTIONS = {"kv_cache_bytes": 16 << 20}
+PARAMS = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+PROMPTS = ["The quick brown fox", "def f(x):", "Hello, world!", "import os"]
+
+
+class Bus:
+    """Delivers Host sends to the addressed Host on a fresh thread, like an RPC would."""
+
+    def __init__(self) -> None:
+        self.hosts: dict[str, Host] = {}
+        self.down: set[str] = set()
+
+    def deliver(self, src: str, dst: str, op: str, msg: dict[str, Any],
+                on_error: Callable[[BaseException], None] | None) -> None:
+        if src in self.down:
+            return  # a dead worker sends nothing
+        if dst in self.down or dst not in self.hosts:
+            if on_error is not None:
+                on_error(ConnectionError(f"{dst} is gone"))
+            return
+        host = self.hosts[dst]
+        calls = {
+            "batchgen_adopt": lambda: host.adopt(msg["owner"], EngineSpec.from_msg(msg["spec"]),
+                                                 [tuple(item) for item in msg["items"]]),
+            "batchgen_result": lambda: host.receive_results(msg["jobs"]),
+            "batchgen_bounce": lambda: host.receive_bounce(msg["jobs"]),
+        }
+        threading.Thread(target=calls[op]).start()
+
+
+class BusTransport:
+    def __init__(self, bus: Bus, address: str) -> None:
+        self.bus, self.address = bus, address
+
+    def send(self, address: str, op: str, msg: dict[str, Any],
+             on_error: Callable[[BaseException], None] | None = None) -> None:
+        self.bus.deliver(self.address, address, op, msg, on_error)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # three engines on two shared cores: OpenMP threads would only fight
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def spec(checkpoint_factory: Callable[..., Path]) -> EngineSpec:
+    return EngineSpec.make(checkpoint_factory("mixtral"), OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def expected(spec: EngineSpec) -> list[list[int]]:
+    return [o.token_ids for o in Engine(spec.model, **OPTIONS).generate(PROMPTS, PARAMS)]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Bus, Host, Host]]:
+    bus = Bus()
+    a, b = Host(BusTransport(bus, "A")), Host(BusTransport(bus, "B"))
+    bus.hosts.update(A=a, B=b)
+    yield bus, a, b
+    for host in (a, b):
+        host.close()
+
+
+def start(host: Host, spec: EngineSpec) -> PartitionJob:
+    job = host.open_job(spec, [(p, PARAMS) for p in PROMPTS])
+    deadline = time.monotonic() + 60
+    while sum(c.is_started for c in host.runner(spec).load.movable) < len(PROMPTS):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return job
+
+
+def move_two(host: Host, spec: EngineSpec, dst: str) -> Migration:
+    seq_ids = tuple(c.seq_id for c in host.runner(spec).load.movable[:2])
+    order = Migration("A", dst, spec.key, seq_ids, 0, "migrate")
+    host.execute(order)
+    return order
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def finish(host: Host, job: PartitionJob) -> list[list[int]]:
+    assert job.wait(120)
+    host.close_job(job)
+    return [o.token_ids for o in job.result()]
+
+
+def test_moved_rows_come_back_from_the_holder(pair: tuple[Bus, Host, Host], spec: EngineSpec,
+                                              expected: list[list[int]]) -> None:
+    _, a, b = pair
+    job = start(a, spec)
+    move_two(a, spec, "B")
+    assert finish(a, job) == expected
+    assert (a.counters.migrated_out, b.counters.migrated_in, b.counters.returned) == (2, 2, 2)
+    assert a.counters.rows_done == len(PROMPTS) and a.counters.recovered == 0
+
+
+def test_rows_of_a_vanished_holder_resume_at_the_owner(pair: tuple[Bus, Host, Host], spec: EngineSpec,
+                                                       expected: list[list[int]]) -> None:
+    bus, a, b = pair
+    job = start(a, spec)
+    move_two(a, spec, "B")
+    wait_until(lambda: b.counters.migrated_in == 2)
+    bus.down.add("B")  # B dies: it never answers
+    assert a.recover(live={"A"}) == 2
+    assert finish(a, job) == expected
+    assert a.counters.recovered == 2 and a.counters.rows_done == len(PROMPTS)
+
+
+def test_a_false_alarm_does_not_duplicate_rows(pair: tuple[Bus, Host, Host], spec: EngineSpec,
+                                               expected: list[list[int]]) -> None:
+    _, a, b = pair
+    job = start(a, spec)
+    move_two(a, spec, "B")
+    wait_until(lambda: b.counters.migrated_in == 2)
+    a.recover(live={"A"})  # A thinks B left, B goes on and answers too
+    assert finish(a, job) == expected
+    assert a.counters.rows_done == len(PROMPTS)
+
+
+def test_a_closing_holder_hands_rows_back_with_their_progress(pair: tuple[Bus, Host, Host], spec: EngineSpec,
+                                                              expected: list[list[int]]) -> None:
+    _, a, b = pair
+    job = start(a, spec)
+    move_two(a, spec, "B")
+    wait_until(lambda: b.counters.migrated_in == 2)
+    b.close()
+    assert finish(a, job) == expected
+    assert b.counters.returned == 0 and a.counters.rows_done == len(PROMPTS)
+
+
+def test_an_unreachable_destination_keeps_the_rows_home(pair: tuple[Bus, Host, Host], spec: EngineSpec,
+                                                        expected: list[list[int]]) -> None:
+    bus, a, _ = pair
+    bus.down.add("B")
+    job = start(a, spec)
+    move_two(a, spec, "B")
+    assert finish(a, job) == expected
+    assert a.counters.migrated_out == 2 and a.counters.recovered == 2
