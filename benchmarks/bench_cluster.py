@@ -111,7 +111,7 @@ def warm_up(client: Client, model: str, options: dict[str, Any], vocab: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: build the demo model)")
-    ap.add_argument("--rows", type=int, default=384)
+    ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--min-tokens", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
