@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestError": "batchgen.errors",
     "StateError": "batchgen.errors",
     "UnsupportedModelError": "batchgen.errors",
+    "generate": "batchgen.cluster.generate",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -90,14 +90,18 @@ def _allowed(q_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Te
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [S, Q, Hq, Dk], k: [S, L, Hk, Dk], v: [S, L, Hk, Dv], allowed: [S, Q, L] -> [S, Q, Hq, Dv]."""
-    hq, hk = q.shape[2], k.shape[2]
-    if hk != hq:
-        k = k.repeat_interleave(hq // hk, dim=2)
-        v = v.repeat_interleave(hq // hk, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=allowed.unsqueeze(1), scale=scale)
-    return out.transpose(1, 2)
+    """q: [S, Q, Hq, Dk], k: [S, L, Hk, Dk], v: [S, L, Hk, Dv], allowed: [S, Q, L] -> [S, Q, Hq, Dv].
+
+    Query heads are folded onto their KV head ([S, Hk, G*Q, D], G = Hq / Hk; query head h reads
+    KV head h // G) so K and V are never copied per query head.
+    """
+    S, Q, hq, dk = q.shape
+    hk, L = k.shape[2], k.shape[1]
+    g = hq // hk
+    qg = q.reshape(S, Q, hk, g, dk).permute(0, 2, 3, 1, 4).reshape(S, hk, g * Q, dk)
+    mask = allowed.unsqueeze(1).expand(S, g, Q, L).reshape(S, 1, g * Q, L)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    return out.reshape(S, hk, g, Q, -1).permute(0, 3, 1, 2, 4).reshape(S, Q, hq, -1)
 
 
 def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor, expand: KVExpander,
