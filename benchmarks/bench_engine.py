@@ -4,10 +4,12 @@ Output lengths are lognormal (a few rows ~10x the median) and ignore_eos holds b
 same token counts. The transformers side does what users do: rows in input order, fixed batches,
 left padding, `max_new_tokens` = the longest row of the batch, each row then cut to its length.
 Reports tokens/s of useful tokens for both and their ratio (same process, same machine).
-Denormal floats are flushed to zero for both sides: random fp32 weights make left-padded
-transformers batches produce denormals that slow x86 CPUs by 10-30x, which would flatter us.
+Denormal floats are flushed to zero for both sides: the random weights make transformers' MoE
+path produce denormals that slow an x86 CPU 10-60x, which would flatter us. Flushing is a
+per-thread CPU flag that torch sets only on the calling thread, so both sides run on one
+intra-op thread by default (--threads) to keep the comparison free of that artefact.
 
-    python benchmarks/bench_engine.py [--rows 48] [--batch 16] [--attention-kv-tokens 512]
+    python benchmarks/bench_engine.py [--rows 192] [--batch 16] [--attention-kv-tokens 512]
 """
 from __future__ import annotations
 
@@ -60,13 +62,15 @@ def run_batchgen(model_dir: Path, prompts: list[list[int]], lengths: list[int], 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=48)
+    ap.add_argument("--rows", type=int, default=192)
     ap.add_argument("--batch", type=int, default=16, help="transformers batch size")
     ap.add_argument("--attention-kv-tokens", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both sides")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_flush_denormal(True)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_demo_model(Path(tmp) / "demo", dtype="float32")
         prompts, lengths = workload(args.rows, 1000, args.seed)
@@ -74,7 +78,7 @@ def main() -> None:
         t_hf = run_transformers(model_dir, prompts, lengths, args.batch)
         t_bg, stats = run_batchgen(model_dir, prompts, lengths)
         t_mb, stats_mb = run_batchgen(model_dir, prompts, lengths, attention_kv_tokens=args.attention_kv_tokens)
-    print(f"workload: {args.rows} rows, {tokens} output tokens, lengths median "
+    print(f"threads: {args.threads}; workload: {args.rows} rows, {tokens} output tokens, lengths median "
           f"{sorted(lengths)[len(lengths) // 2]} max {max(lengths)}")
     print(f"transformers generate (batch {args.batch}, left padding): {tokens / t_hf:8.1f} tok/s")
     print(f"batchgen (one attention batch):                {tokens / t_bg:8.1f} tok/s   ratio {t_hf / t_bg:.2f}x")
