@@ -86,6 +86,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     g.add_argument("--chunk-size", type=_positive, default=256, metavar="N",
                    help="rows in the engine at once, topped up as rows finish; bounds memory (default: 256)")
+    cluster = g.add_mutually_exclusive_group()
+    cluster.add_argument("--scheduler", metavar="ADDR",
+                         help="run on the Dask cluster at ADDR (tcp://host:8786); the batchgen plugin is "
+                              "registered on it. Default: one in-process engine")
+    cluster.add_argument("--workers", type=_positive, metavar="N",
+                         help="start a local Dask cluster of N worker processes and run on it")
     g.add_argument("--progress", choices=["auto", "bar", "lines", "off"], default="auto",
                    help="progress on stderr: a bar on a terminal, periodic lines otherwise")
 
@@ -145,11 +151,34 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _execute(spec: JobSpec, model: str | Path, args: argparse.Namespace) -> JobSummary:
-    from batchgen.engine import Engine
     from batchgen.io.job import run_file_job
+
+    if getattr(args, "scheduler", None) or getattr(args, "workers", None):
+        return _execute_on_cluster(spec, model, args)
+    from batchgen.engine import Engine
 
     engine = Engine(model, dtype=args.dtype, device=args.device)  # ModelLoadError: exit 2
     return run_file_job(spec, engine, chunk_size=args.chunk_size, progress=args.progress)
+
+
+def _execute_on_cluster(spec: JobSpec, model: str | Path, args: argparse.Namespace) -> JobSummary:
+    """The driver reads config and tokenizer only; the weights load on the workers."""
+    from batchgen.cluster import connect
+    from batchgen.io.dask_backend import DaskBackend
+    from batchgen.io.job import run_file_job
+    from batchgen.models.info import ModelInfo
+
+    info = ModelInfo.load(model)  # ModelLoadError / UnsupportedModelError: exit 2, before any work
+    options = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v is not None}
+    client = connect(scheduler_address=args.scheduler, n_workers=args.workers)
+    try:
+        backend = DaskBackend(client, model, engine_options=options)
+        return run_file_job(spec, info, chunk_size=args.chunk_size, progress=args.progress, backend=backend)
+    finally:
+        cluster = client.cluster if args.workers else None
+        client.close()
+        if cluster is not None:
+            cluster.close()
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     import pandas as pd
     from distributed import Worker
 
+    from ..outputs import RequestOutput
+    from .spec import EngineSpec
+
 
 def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prompt",
              per_row: Mapping[str, str] | None = None, engine_options: Mapping[str, Any] | None = None,
@@ -51,6 +54,15 @@ def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prom
         return placeholder_output(pdf)
 
     requests = read_requests(pdf, prompt_column, per_row, base)
+    return output_frame(pdf, run_requests(spec, requests))
+
+
+def run_requests(spec: EngineSpec, requests: list[tuple[Any, Any]]) -> list[RequestOutput]:
+    """Run (prompt, SamplingParams) pairs on this worker's engine for `spec` (or the process's
+    own, outside Dask); outputs in input order. Inside a task, the thread slot is released
+    while waiting."""
+    worker = _current_worker()
+    in_task = worker is not None and _in_task()
     if worker is not None:
         from .worker import ensure_side
 
@@ -71,10 +83,18 @@ def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prom
                 rejoin()
         else:
             job.wait()
-        outputs = job.result()
+        return job.result()
     finally:
         host.close_job(job)
-    return output_frame(pdf, outputs)
+
+
+def generate_rows(requests: list[tuple[Any, Any]], *, model: str | Path,
+                  engine_options: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+    """The Dask task of `batchgen run --scheduler/--workers`: token-id prompts with their
+    SamplingParams in, RequestOutputs out (in order)."""
+    from .spec import EngineSpec
+
+    return run_requests(EngineSpec.make(model, engine_options), requests)
 
 
 def _current_worker() -> Worker | None:

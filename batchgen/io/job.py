@@ -21,6 +21,7 @@ from batchgen.progress import Mode, Progress
 if TYPE_CHECKING:
     from batchgen.engine import Engine
     from batchgen.io.spec import JobSpec
+    from batchgen.models.info import ModelInfo
     from batchgen.outputs import RequestOutput
     from batchgen.sampling_params import SamplingParams
 
@@ -66,14 +67,19 @@ class JobSummary:
         return text
 
 
-def run_file_job(spec: JobSpec, engine: Engine, *, chunk_size: int = 256,
+def run_file_job(spec: JobSpec, engine: Engine | ModelInfo, *, chunk_size: int = 256,
                  progress: Mode = "auto", backend: Backend | None = None) -> JobSummary:
     """Run ``spec``'s input file on ``engine`` (or ``backend``, which then does the work while
-    ``engine`` provides the tokenizer and limits). Call ``spec.check()`` first."""
+    ``engine`` -- an Engine or just a ModelInfo -- provides the tokenizer and limits).
+    Call ``spec.check()`` first."""
     ctx = RowContext(engine.tokenizer, engine.vocab_size, engine.max_model_len, spec.defaults)
     reader, sink = spec.open(ctx, model=engine.model_dir.name)
+    if backend is None:
+        if not hasattr(engine, "run_requests"):
+            raise TypeError("run_file_job needs an Engine, or a backend to run on")
+        backend = EngineBackend(engine)  # type: ignore[arg-type]
     with Progress(reader.count(), initial=len(sink.done), mode=progress) as bar:
-        return run_job(reader.requests(sink.done), sink, backend or EngineBackend(engine),
+        return run_job(reader.requests(sink.done), sink, backend,
                        chunk_size=chunk_size, progress=bar)
 
 

@@ -1,0 +1,31 @@
+"""What a driver needs to know about a model without loading its weights: tokenizer, vocabulary,
+context length. The batch job front end parses and checks rows with it while the weights live
+on the cluster's workers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ModelLoadError
+from ..tokenizer import Tokenizer
+from .loader import generation_eos_ids, load_spec
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    model_dir: Path
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    max_model_len: int
+
+    @classmethod
+    def load(cls, model_dir: str | Path, max_model_len: int | None = None) -> "ModelInfo":
+        """Fails fast (ModelLoadError / UnsupportedModelError) on what Engine() would refuse to load,
+        short of reading the weights."""
+        path = Path(model_dir).expanduser()
+        _, spec = load_spec(path)
+        if not any(path.glob("*.safetensors")):
+            raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors weights")
+        tokenizer = Tokenizer.from_dir(path, generation_eos_ids(path, spec.eos_token_ids))
+        return cls(path, tokenizer, spec.vocab_size,
+                   min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings))

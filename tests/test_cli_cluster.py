@@ -1,0 +1,55 @@
+"""`batchgen run --workers N`: the same job on a real local Dask cluster (processes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LINES = [
+    {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": text, "max_tokens": n, "temperature": 0.0}}
+    for i, (text, n) in enumerate([("The quick brown fox", 6), ("def f(x):", 9), ("Lists in Python", 3),
+                                   ("", 4), ("A dictionary maps", 12), ("Exceptions", 5)])
+]
+
+
+def _run(model: Path, src: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchgen.cli", "run", "--model", str(model), "--input", str(src),
+                           "--output", str(out), "--progress", "off", *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _by_id(path: Path) -> dict[str, dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["custom_id"]: r for r in rows}
+
+
+@pytest.mark.slow
+def test_run_on_local_dask_cluster_matches_local_engine(checkpoint_factory, tmp_path: Path) -> None:
+    model = checkpoint_factory("mixtral")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    local, clustered = tmp_path / "local.jsonl", tmp_path / "cluster.jsonl"
+    first = _run(model, src, local)
+    assert first.returncode == 0, first.stderr
+    second = _run(model, src, clustered, "--workers", "2", "--chunk-size", "4")
+    assert second.returncode == 0, second.stderr
+    a, b = _by_id(local), _by_id(clustered)
+    assert sorted(a) == sorted(b) == sorted(line["custom_id"] for line in LINES)
+    for key in a:
+        if a[key]["error"] is None:
+            assert a[key]["response"]["body"]["choices"] == b[key]["response"]["body"]["choices"]
+            assert a[key]["response"]["body"]["usage"] == b[key]["response"]["body"]["usage"]
+        else:
+            assert b[key]["error"] is not None and b[key]["response"]["status_code"] == 400
+    assert "1 errors" in second.stderr or "1 error" in second.stderr
+
+
+def test_cluster_run_with_missing_model_fails_fast(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(LINES[0]) + "\n")
+    result = _run(tmp_path / "no-model", src, tmp_path / "out.jsonl", "--workers", "2")
+    assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
