@@ -203,3 +203,12 @@ def test_engine_options_come_from_dask_config(mixtral) -> None:
 def test_unknown_sequence_ids_name_the_problem(engine: Engine) -> None:
     with pytest.raises(KeyError, match="no sequence 12345"):
         engine.suspend(12345)  # type: ignore[arg-type]
+
+
+def test_public_names_resolve_lazily() -> None:
+    import batchgen
+
+    assert callable(batchgen.generate) and callable(batchgen.cluster.connect)
+    assert batchgen.Engine is Engine and batchgen.SamplingParams is SamplingParams
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        batchgen.nope  # noqa: B018
