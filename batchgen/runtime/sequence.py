@@ -1,8 +1,10 @@
 """A sequence coroutine's state: small, picklable, torch-free.
 
 A coroutine runs until its next yield point and parks there. Between forwards it parks at the
-inter-forward yield point (`YieldPoint.STEP`); inside a forward, the executor parks groups of
-tokens before each MoE stage (`YieldPoint.moe(l)`) so they can be combined with others.
+inter-forward yield point: the only place it is suspended, evicted or migrated, so its state
+needs no hidden activations. Inside a forward the executor parks whole attention micro-batches
+at each MoE layer's yield point and runs the layer's MoE stage once on all of them combined
+(executor.py); a forward always completes, so a Sequence records no intra-forward position.
 
 Token bookkeeping: `token_ids = prompt_ids + output_ids`; the first `num_computed` of them have
 their KV in the cache. A forward feeds the rest; when it reaches the end, a token is sampled.
@@ -23,24 +25,6 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(frozen=True, slots=True)
-class YieldPoint:
-    """Where a parked coroutine resumes: `layer` -1 means between forwards."""
-
-    layer: int = -1
-
-    @staticmethod
-    def moe(layer: int) -> "YieldPoint":
-        return YieldPoint(layer)
-
-    @property
-    def is_step(self) -> bool:
-        return self.layer < 0
-
-
-STEP = YieldPoint()
-
-
 @dataclass(slots=True)
 class Sequence:
     seq_id: SeqId
@@ -53,7 +37,6 @@ class Sequence:
     num_computed: int = 0
     num_swapped: int = 0  # tokens whose KV waits in host memory (status SWAPPED)
     block_ids: list[int] = field(default_factory=list)
-    yield_point: YieldPoint = STEP
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None

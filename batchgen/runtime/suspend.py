@@ -14,11 +14,11 @@ import torch
 from ..errors import StateError
 from ..models.model import Model
 from .policy import prefer_transfer
-from .sequence import STEP, SeqId, SeqStatus, Sequence
+from .sequence import SeqId, SeqStatus, Sequence
 
 _VERSION = 1
 # Fields that belong to the engine holding the sequence, not to the coroutine.
-_LOCAL = {"seq_id", "block_ids", "num_computed", "num_swapped", "status", "yield_point"}
+_LOCAL = {"seq_id", "block_ids", "num_computed", "num_swapped", "status"}
 
 
 class CoroutineCodec:
@@ -56,7 +56,7 @@ class CoroutineCodec:
             seq = Sequence(seq_id=seq_id, **state)
         except (TypeError, ValueError, KeyError) as exc:
             raise StateError(f"coroutine state fields do not match this batchgen: {exc}") from exc
-        seq.status, seq.yield_point = status, STEP
+        seq.status = status
         seq.history.append(("resumed", "migrate"))
         if kv is not None and (kv.dim() != 3 or kv.shape[0] != self.model.num_layers
                                or kv.shape[1] >= seq.num_tokens or kv.shape[2] != self.model.spec.kv_width):
