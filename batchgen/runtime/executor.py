@@ -39,7 +39,8 @@ class Executor:
             batches.append((slice(row, row + n), AttentionBatch.build(items, self.block_size, dev)))
             row += n
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
-        record = self._record_route
+        routed: list[torch.Tensor] = []  # per MoE layer: topk_ids [T, A], read back once per forward
+        record = routed.append
         for layer in range(self.model.num_layers):
             cache = self.cache[layer]
             for rows, batch in batches:
@@ -48,6 +49,9 @@ class Executor:
             if moe:
                 self.stats.moe_batches.append(len(tokens))
             hidden = self.model.ffn_stage(layer, hidden, record if moe else None)
+        if routed:
+            counts = torch.cat([torch.bincount(ids.flatten()) for ids in routed]).cpu()
+            self.stats.expert_call_tokens.extend(int(c) for c in counts if c > 0)
         self.stats.forwards += 1
         self.stats.attention_batches.extend(rows.stop - rows.start for rows, _ in batches)
         sample_rows, samplers, row = [], [], 0
@@ -61,10 +65,6 @@ class Executor:
         if not sample_rows:
             return [], torch.empty(0, self.model.spec.vocab_size)
         return samplers, self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
-
-    def _record_route(self, topk_ids: torch.Tensor) -> None:
-        counts = torch.bincount(topk_ids.flatten().cpu())
-        self.stats.expert_call_tokens.extend(int(c) for c in counts if c > 0)
 
     # -- KV travelling with a suspended / migrated coroutine --------------------------------------
     def read_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
