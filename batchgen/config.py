@@ -18,7 +18,8 @@ class EngineConfig:
     device: str | None = None  # None: cuda when available, else cpu
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA, what gpu_memory_utilization leaves
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device the weights + KV cache may use
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -38,11 +39,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ValueError(f"EngineConfig.swap_space_bytes must be an integer >= 0, got {self.swap_space_bytes!r}")
-        for name in ("block_size", "kv_cache_bytes", "kv_link_bytes_per_s", "host_link_bytes_per_s", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "kv_link_bytes_per_s", "host_link_bytes_per_s", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("num_kv_blocks", "max_model_len", "attention_kv_tokens"):
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "attention_kv_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer or None, got {value!r}")

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator, Sequence as Seq
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .config import EngineConfig
 from .errors import RequestError
 from .models.loader import generation_eos_ids
@@ -52,8 +54,7 @@ class Engine:
                              f"max_position_embeddings={spec.max_position_embeddings}")
         self.max_model_len = self.config.max_model_len or spec.max_position_embeddings
         bs = self.config.block_size
-        num_blocks = self.config.num_kv_blocks or max(
-            1, self.config.kv_cache_bytes // (bs * self.model.kv_bytes_per_token()))
+        num_blocks = self.config.num_kv_blocks or max(1, self._kv_budget() // (bs * self.model.kv_bytes_per_token()))
         self.allocator = BlockAllocator(num_blocks, bs)
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.config.eviction), self.allocator)  # type: ignore[arg-type]
@@ -66,6 +67,17 @@ class Engine:
         self._busy_s = 0.0
         self._host_kv: dict[SeqId, Any] = {}  # swapped-out KV [layers, tokens, W] on the host
         self._host_kv_bytes = 0
+
+    def _kv_budget(self) -> int:
+        """Bytes for the KV pool: as configured; else on CUDA what the utilization target leaves
+        after the weights (and whatever else holds the device), on CPU 1 GiB."""
+        if self.config.kv_cache_bytes is not None:
+            return self.config.kv_cache_bytes
+        dev = self.model.device
+        if dev.type == "cuda":
+            free, total = torch.cuda.mem_get_info(dev)
+            return max(0, int(free - (1 - self.config.gpu_memory_utilization) * total))
+        return 1 << 30
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, index: int = 0) -> SeqId:
@@ -281,6 +293,11 @@ class Engine:
         if not seq.is_finished:
             self._release(seq)
         return self.codec.encode(seq, kv)
+
+    def snapshot(self, seq_id: SeqId) -> bytes:
+        """The coroutine's state as `suspend(seq_id, with_kv=False)` would give it, without removing
+        it here: a checkpoint another engine can resume from (it recomputes the KV)."""
+        return self.codec.encode(self._lookup(seq_id), None)
 
     def resume(self, state: bytes) -> SeqId:
         """Adopt a suspended coroutine; it continues exactly where it stopped."""
