@@ -3,6 +3,7 @@ for the RPC handlers. Moved rows come back to their owner exactly once, whether 
 returns them, vanishes, hands them back on close, or cannot be reached."""
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ class Bus:
                                                  [tuple(item) for item in msg["items"]]),
             "batchgen_result": lambda: host.receive_results(msg["jobs"]),
             "batchgen_bounce": lambda: host.receive_bounce(msg["jobs"]),
+            "batchgen_progress": lambda: host.receive_progress(msg["holder"], msg["jobs"]),
         }
         threading.Thread(target=calls[op]).start()
 
@@ -166,3 +168,37 @@ def test_an_unreachable_destination_keeps_the_rows_home(pair: tuple[Bus, Host, H
     move_two(a, spec, "B")
     assert finish(a, job) == expected
     assert a.counters.migrated_out == 2 and a.counters.recovered == 2
+
+
+def test_a_vanished_holder_s_rows_resume_from_their_last_progress(pair: tuple[Bus, Host, Host], spec: EngineSpec,
+                                                                  expected: list[list[int]]) -> None:
+    bus, a, b = pair
+    job = start(a, spec)
+    move_two(a, spec, "B")
+    wait_until(lambda: b.counters.migrated_in == 2)
+    at_migration = job.kept()
+    assert len(at_migration) == 2
+    resumed: list[int] = []  # output tokens of the states A resumes
+    runner = a.runner(spec)
+    adopt = runner.adopt
+    runner.adopt = lambda items: (resumed.extend(len(pickle.loads(s)["seq"]["output_ids"]) for _, s in items),  # type: ignore[method-assign]
+                                  adopt(items))[1]
+    gate = threading.Event()
+    try:
+        def advanced() -> bool:
+            b.push_progress(every=0)
+            kept = job.kept()
+            return all(kept[row] > at_migration[row] for row in at_migration)
+        wait_until(advanced)  # A's kept states follow B's progress
+        b.runner(spec).call(lambda engine: gate.wait(60))  # B stalls at its next yield point...
+        bus.down.add("B")  # ...and dies: it never answers again
+        time.sleep(0.2)  # progress already on its way lands
+        kept = job.kept()
+        assert len(kept) == 2 and all(kept[row] > at_migration[row] for row in at_migration)
+        assert a.counters.refreshed >= 2 and b.counters.progress_sent >= 2
+        assert a.recover(live={"A"}) == 2
+        assert sorted(resumed) == sorted(kept.values())  # from the newest states, not the migrated ones
+        assert finish(a, job) == expected
+        assert a.counters.recovered == 2 and a.counters.rows_done == len(PROMPTS)
+    finally:
+        gate.set()

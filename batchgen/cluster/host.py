@@ -8,9 +8,11 @@ handlers that call in here):
     owner --adopt(states)--> holder          holder resumes the coroutines
     holder --result(outputs)--> owner        the row is done; the owner drops the kept state
     holder --bounce(states)--> owner         the holder gives rows back (closing, cannot resume)
+    holder --progress(states)--> owner       KV-less snapshots of the rows' progress (`push_progress`)
 
-The owner keeps each moved row's suspended state until its result arrives; when the holder
-leaves the cluster the owner resumes the row itself (`recover`). All sends go through a
+The owner keeps each moved row's suspended state until its result arrives, replacing it with the
+holder's newer snapshots; when the holder leaves the cluster the owner resumes the row itself
+from the newest state it has (`recover`). All sends go through a
 `Transport`; outside Dask there is none and nothing ever migrates.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import logging
 import pickle
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +35,9 @@ from .runner import EngineRunner, Request, RowRef, RunnerLoad
 from .spec import EngineSpec
 
 logger = logging.getLogger(__name__)
+
+# How often a holder sends owners the progress of their rows (at most; on the load push).
+PROGRESS_EVERY_S = 1.0
 
 
 class Transport(Protocol):
@@ -51,6 +57,8 @@ class HostCounters:
     migrated_in: int = 0  # coroutines adopted from another worker
     recovered: int = 0  # moved rows resumed here because their holder left
     returned: int = 0  # rows finished here for another worker's task
+    progress_sent: int = 0  # snapshots of held rows sent to their owners
+    refreshed: int = 0  # kept states of moved rows replaced by their holder's newer snapshot
 
 
 class Host:
@@ -62,6 +70,7 @@ class Host:
         self._lock = threading.RLock()
         self._closed = False
         self.peak_jobs = 0  # most partitions waiting here at once (seceded tasks)
+        self._last_progress = 0.0
 
     @property
     def address(self) -> str | None:
@@ -152,17 +161,17 @@ class Host:
         runner = self.runner_for_key(order.model)
         if runner is None or self.transport is None:
             return
-        fut = runner.suspend(list(order.seq_ids), match=lambda ref: ref.is_local)
+        fut = runner.move_out(list(order.seq_ids), match=lambda ref: ref.is_local)
         fut.add_done_callback(lambda f: self._send_moved(order, runner.spec, f.result()) if not f.exception() else None)
 
-    def _send_moved(self, order: Migration, spec: EngineSpec, items: list[tuple[RowRef, bytes]]) -> None:
+    def _send_moved(self, order: Migration, spec: EngineSpec, items: list[tuple[RowRef, int, bytes]]) -> None:
         sent: list[list[Any]] = []
-        for ref, state in items:
+        for ref, num_output, state in items:
             with self._lock:
                 job = self._jobs.get(ref.job_id)
             if job is None or job.is_done:
                 continue
-            job.moved(ref.row, order.dst, state)
+            job.moved(ref.row, order.dst, state, num_output)
             sent.append([ref.job_id, ref.row, state])
         if not sent or self.transport is None:
             return
@@ -258,6 +267,41 @@ class Host:
         for ref in refs:
             jobs[ref.job_id].append([ref.row, (states or {}).get(ref)])
         self.transport.send(owner, "batchgen_bounce", {"jobs": dict(jobs)})
+
+    def push_progress(self, every: float = PROGRESS_EVERY_S) -> None:
+        """Send each owner KV-less snapshots of its rows held here that made progress (at most
+        every `every` seconds; cheap to call on every load push)."""
+        if self.transport is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if self._closed or now - self._last_progress < every:
+                return
+            self._last_progress = now
+            runners = [r for r in self._runners.values() if r.failure is None]
+        for runner in runners:
+            runner.progress().add_done_callback(lambda f: None if f.exception() else self._send_progress(f.result()))
+
+    def _send_progress(self, items: list[tuple[RowRef, int, bytes]]) -> None:
+        if not items or self.transport is None:
+            return
+        by_owner: dict[str, dict[str, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
+        for ref, num_output, state in items:
+            by_owner[ref.owner][ref.job_id].append([ref.row, num_output, state])  # type: ignore[index]
+        with self._lock:
+            self.counters.progress_sent += len(items)
+        for owner, jobs in by_owner.items():
+            self.transport.send(owner, "batchgen_progress", {"holder": self.transport.address, "jobs": dict(jobs)})
+
+    def receive_progress(self, holder: str, jobs: dict[str, list[list[Any]]]) -> None:
+        n = 0
+        for job_id, items in jobs.items():
+            with self._lock:
+                job = self._jobs.get(job_id)
+            if job is not None:
+                n += sum(job.progress(int(row), holder, int(num_output), state) for row, num_output, state in items)
+        with self._lock:
+            self.counters.refreshed += n
 
     def receive_results(self, jobs: dict[str, list[list[Any]]]) -> None:
         for job_id, items in jobs.items():

@@ -3,7 +3,9 @@
 The task that owns a partition owns its rows. A row's coroutine runs in this worker's engine
 or, after a migration, on another worker (the holder). For a moved row the job keeps the
 suspended state bytes until its result arrives, so that the row can be resumed here if the
-holder disappears. The first result for a row wins: a row resumed here after a false alarm and
+holder disappears. The holder refreshes that state now and then with a KV-less snapshot of
+its progress (`progress`), so a recovered row resumes from its last known tokens, not from
+where it left. The first result for a row wins: a row resumed here after a false alarm and
 also finished by its holder is not duplicated.
 """
 from __future__ import annotations
@@ -19,7 +21,8 @@ from .spec import EngineSpec
 @dataclass(slots=True)
 class RemoteRow:
     holder: str  # worker address running the coroutine
-    state: bytes  # suspended coroutine as it left this worker
+    state: bytes  # suspended coroutine: as it left this worker, or the holder's latest snapshot
+    num_output: int = 0  # output tokens in `state`
 
 
 class PartitionJob:
@@ -57,10 +60,24 @@ class PartitionJob:
                 self._done.set()
             return True
 
-    def moved(self, row: int, holder: str, state: bytes) -> None:
+    def moved(self, row: int, holder: str, state: bytes, num_output: int = 0) -> None:
         with self._lock:
             if self.outputs[row] is None:
-                self._remote[row] = RemoteRow(holder, state)
+                self._remote[row] = RemoteRow(holder, state, num_output)
+
+    def progress(self, row: int, holder: str, num_output: int, state: bytes) -> bool:
+        """A newer state of a moved row from its holder; kept when it has more output tokens."""
+        with self._lock:
+            remote = self._remote.get(row)
+            if remote is None or remote.holder != holder or num_output <= remote.num_output:
+                return False
+            remote.state, remote.num_output = state, num_output
+            return True
+
+    def kept(self) -> dict[int, int]:
+        """Moved rows -> output tokens of the state kept for them."""
+        with self._lock:
+            return {row: r.num_output for row, r in self._remote.items()}
 
     def take_back(self, rows: list[int] | None = None, *, lost: set[str] | None = None,
                   live: set[str] | None = None) -> list[tuple[int, bytes]]:

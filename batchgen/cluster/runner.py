@@ -73,6 +73,7 @@ class EngineRunner:
         self._on_done, self._on_fail = on_done, on_fail
         self._inbox: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = queue.SimpleQueue()
         self._tickets: dict[SeqId, RowRef] = {}
+        self._progress_sent: dict[SeqId, int] = {}  # output tokens of the last progress per held row
         self._load = RunnerLoad()
         self._closed = threading.Event()
         self._gate = threading.Lock()  # a command is either queued before close / failure, or refused
@@ -103,6 +104,16 @@ class EngineRunner:
                 with_kv: bool | None = None) -> Future[list[tuple[RowRef, bytes]]]:
         """Suspend the given (or matching) unfinished coroutines and hand back their state."""
         return self.call(lambda engine: self._suspend(engine, seq_ids, match, with_kv))
+
+    def move_out(self, seq_ids: list[int], match: Callable[[RowRef], bool] | None = None,
+                 ) -> Future[list[tuple[RowRef, int, bytes]]]:
+        """`suspend`, also giving each coroutine's output token count: [(ref, num_output, state)]."""
+        return self.call(lambda engine: self._suspend_counted(engine, seq_ids, match, None))
+
+    def progress(self) -> Future[list[tuple[RowRef, int, bytes]]]:
+        """KV-less snapshots of the coroutines held for other workers that generated tokens since
+        the last call (they stay here): [(ref, num_output, state)], for their owners to keep."""
+        return self.call(self._progress)
 
     def cancel(self, match: Callable[[RowRef], bool]) -> Future[int]:
         return self.call(lambda engine: len(self._suspend(engine, None, match, False)))
@@ -195,20 +206,43 @@ class EngineRunner:
                 done.append((ref, engine.pop_output(seq_id)))
             else:
                 self._tickets[seq_id] = ref
+                if not ref.is_local:  # its owner already has this much
+                    self._progress_sent[seq_id] = len(engine.get(seq_id).output_ids)
         if done:
             self._on_done(done)
         return rejected
 
     def _suspend(self, engine: Engine, seq_ids: list[int] | None, match: Callable[[RowRef], bool] | None,
                  with_kv: bool | None) -> list[tuple[RowRef, bytes]]:
+        return [(ref, state) for ref, _, state in self._suspend_counted(engine, seq_ids, match, with_kv)]
+
+    def _suspend_counted(self, engine: Engine, seq_ids: list[int] | None, match: Callable[[RowRef], bool] | None,
+                         with_kv: bool | None) -> list[tuple[RowRef, int, bytes]]:
         chosen = [s for s in (seq_ids if seq_ids is not None else list(self._tickets))
                   if s in self._tickets and (match is None or match(self._tickets[s]))]
-        out: list[tuple[RowRef, bytes]] = []
+        out: list[tuple[RowRef, int, bytes]] = []
         for seq_id in chosen:
-            if engine.get(seq_id).is_finished:  # type: ignore[arg-type]
+            seq = engine.get(seq_id)  # type: ignore[arg-type]
+            if seq.is_finished:
                 continue
             ref = self._tickets.pop(seq_id)  # type: ignore[arg-type]
-            out.append((ref, engine.suspend(seq_id, with_kv=with_kv)))  # type: ignore[arg-type]
+            num_output = len(seq.output_ids)
+            out.append((ref, num_output, engine.suspend(seq_id, with_kv=with_kv)))  # type: ignore[arg-type]
+        return out
+
+    def _progress(self, engine: Engine) -> list[tuple[RowRef, int, bytes]]:
+        sent = {s: n for s, n in self._progress_sent.items() if s in self._tickets}
+        out: list[tuple[RowRef, int, bytes]] = []
+        for seq_id, ref in self._tickets.items():
+            if ref.is_local:
+                continue
+            seq = engine.get(seq_id)
+            num_output = len(seq.output_ids)
+            if seq.is_finished or num_output <= sent.get(seq_id, 0):
+                continue
+            out.append((ref, num_output, engine.snapshot(seq_id)))
+            sent[seq_id] = num_output
+        self._progress_sent = sent
         return out
 
     def _finish(self, engine: Engine, finished: list[Any]) -> None:

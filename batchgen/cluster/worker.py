@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 EXTENSION = "batchgen"
 WORKER_PLUGIN = "batchgen-worker"
-HANDLERS = ("batchgen_adopt", "batchgen_result", "batchgen_bounce")
+HANDLERS = ("batchgen_adopt", "batchgen_result", "batchgen_bounce", "batchgen_progress")
 _create_lock = threading.Lock()
 
 
@@ -81,7 +81,7 @@ class WorkerSide:
 
     def install(self) -> None:
         self.worker.handlers.update({"batchgen_adopt": self.adopt, "batchgen_result": self.result,
-                                     "batchgen_bounce": self.bounce})
+                                     "batchgen_bounce": self.bounce, "batchgen_progress": self.progress})
         self.worker.extensions[EXTENSION] = self
 
     # -- RPC handlers -----------------------------------------------------------------------------
@@ -101,6 +101,12 @@ class WorkerSide:
         """Rows handed back by their holder: {job_id: [[row, fresh state bytes or None]]}; resume here."""
         self.host.receive_bounce(jobs)
 
+    def progress(self, holder: str, jobs: dict[str, list[list[Any]]]) -> None:
+        """Newer states of this worker's rows held by `holder`: {job_id: [[row, output tokens,
+        KV-less state bytes]]}; kept in place of older ones, for recovery if the holder leaves."""
+        self.host.receive_progress(holder, {j: [[int(r), int(n), bytes(s)] for r, n, s in items]
+                                            for j, items in jobs.items()})
+
     # -- talking to the scheduler plugin ----------------------------------------------------------
     def start_pushing(self, interval: float) -> None:
         if self._pusher is None:
@@ -109,6 +115,7 @@ class WorkerSide:
     async def _push_loop(self, interval: float) -> None:
         while not self._closed:
             await asyncio.sleep(interval)
+            self.host.push_progress()
             try:
                 reply = await self.worker.scheduler.batchgen_load(
                     worker=self.worker.address, report=self.host.report(), epoch=self.epoch)
