@@ -60,6 +60,16 @@ def run_batchgen(model_dir: Path, prompts: list[list[int]], lengths: list[int], 
     return elapsed, engine.stats_summary()
 
 
+def sweep_eviction(model_dir: Path, prompts: list[list[int]], lengths: list[int], kv_tokens: int) -> None:
+    times: dict[str, float] = {}
+    for policy in ("newest", "fewest_computed", "most_remaining"):
+        elapsed, stats = run_batchgen(model_dir, prompts, lengths, num_kv_blocks=kv_tokens // 16,
+                                      eviction=policy, swap_space_bytes=0)
+        times[policy] = elapsed
+        print(f"eviction {policy:16} completion {elapsed / times['newest']:.2f}x of 'newest', "
+              f"{stats['preemptions']} preemptions")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=192)
@@ -67,6 +77,9 @@ def main() -> None:
     ap.add_argument("--attention-kv-tokens", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both sides")
+    ap.add_argument("--eviction-sweep", type=int, metavar="KV_TOKENS", default=0,
+                    help="instead: batch completion time of each eviction policy with a KV pool of this "
+                         "many tokens (recompute only), relative to 'newest'")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_flush_denormal(True)
@@ -74,6 +87,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_demo_model(Path(tmp) / "demo", dtype="float32")
         prompts, lengths = workload(args.rows, 1000, args.seed)
+        if args.eviction_sweep:
+            sweep_eviction(model_dir, prompts, lengths, args.eviction_sweep)
+            return
         tokens = sum(lengths)
         t_hf = run_transformers(model_dir, prompts, lengths, args.batch)
         t_bg, stats = run_batchgen(model_dir, prompts, lengths)
