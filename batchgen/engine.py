@@ -183,7 +183,10 @@ class Engine:
         min_tokens never stops the request later (as vLLM)."""
         assert self.tokenizer is not None
         before = len(seq.text)
-        seq.text = self.tokenizer.decode(seq.output_ids)
+        new, prefix, read = self.tokenizer.decode_new(seq.output_ids, *seq.decode_offsets)
+        # keep ~6 tokens of context behind the read offset, as vLLM's incremental detokenizer does
+        seq.decode_offsets = (max(prefix, read - 6), read)
+        seq.text += new
         span = find_stop_span(seq.text, seq.params.stop_list, before) if may_stop else None
         if span is None:
             return False

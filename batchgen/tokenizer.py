@@ -101,6 +101,19 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_new(self, ids: list[int], prefix_offset: int, read_offset: int) -> tuple[str, int, int]:
+        """Text that ids[read_offset:] add after ids[:read_offset] -> (text, prefix, read offsets).
+
+        Decodes only from prefix_offset (a few tokens back, so merges and leading spaces come
+        out as in a full decode) instead of the whole output each token. While the newest bytes
+        form an incomplete UTF-8 character, nothing is emitted and the offsets stay.
+        """
+        known = self.decode(ids[prefix_offset:read_offset])
+        full = self.decode(ids[prefix_offset:])
+        if len(full) > len(known) and not full.endswith("\ufffd"):
+            return full[len(known):], read_offset, len(ids)
+        return "", prefix_offset, read_offset
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise RequestError("messages: this model has no chat_template in tokenizer_config.json; "

@@ -67,3 +67,22 @@ def test_no_chat_template_is_a_request_error(tmp_path: Path) -> None:
 
 def test_missing_tokenizer_json_means_token_ids_only(tmp_path: Path) -> None:
     assert Tokenizer.from_dir(tmp_path, []) is None
+
+
+def test_incremental_decode_equals_full_decode(model_dir: Path) -> None:
+    """Token by token, decode_new's pieces add up to the full decode, for random id streams
+    (which include byte tokens that split UTF-8 characters)."""
+    import random
+
+    tok = Tokenizer.from_dir(model_dir, [])
+    rng = random.Random(0)
+    for _ in range(30):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 60))]
+        text, offsets = "", (0, 0)
+        for n in range(1, len(ids) + 1):
+            new, prefix, read = tok.decode_new(ids[:n], *offsets)
+            offsets = (max(prefix, read - 6), read)
+            text += new
+        full = tok.decode(ids)
+        # equal, except while the newest bytes are an incomplete character (held back)
+        assert text == full or (full.endswith("\ufffd") and full.startswith(text)), (text, full)

@@ -40,8 +40,9 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
-    text: str = ""
+    text: str = ""  # decoded output so far; kept up to date only for requests with stop strings
     text_is_final: bool = False  # text was cut at a stop string; do not re-decode
+    decode_offsets: tuple[int, int] = (0, 0)  # incremental detokenization: (prefix, read)
     num_preemptions: int = 0
     # (transition, reason) of recent state changes: migration and eviction stay debuggable
     history: list[tuple[str, str]] = field(default_factory=list)
