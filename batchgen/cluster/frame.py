@@ -4,13 +4,11 @@ Dask infers a mapped function's output schema by calling it once on fake rows un
 is given: `map_partitions` runs `emulate(func, meta_nonempty(ddf._meta), ...)`
 (dask/dataframe/dask_expr/_expr.py; `_emulate` in older releases), where `meta_nonempty` makes
 two rows of placeholder values ("a"/<NA> for strings, 1 for ints) on an index like [1, 2].
-`is_meta_call` recognises that call without loading a model, in two ways:
-
-1. the call stack holds a frame of a function named `emulate` or `_emulate` from a `dask`
-   module (exact: a task on a worker or a plain call never runs inside it);
-2. failing that (a future dask renaming it), outside any Dask task, the frame is exactly what
-   `meta_nonempty` makes of its own empty schema. Inside a task this check is never used, so
-   real data can never be mistaken for fake rows there.
+`is_meta_call` recognises that call without loading a model: the call stack holds a frame of
+a function named `emulate` or `_emulate` from a `dask` module (a task on a worker or a plain
+call never runs inside it). Rows are never judged by their values: a user's frame that happens
+to look like dask's fake rows is real data. Should a future dask rename `emulate`, pass `meta=`
+(or use `batchgen.cluster.generate_dataframe`, which does).
 
 The answer to a meta call is the input rows plus the output columns with their final dtypes.
 """
@@ -39,7 +37,7 @@ def text_dtype() -> Any:
     return pd.Series(["x"]).dtype
 
 
-def is_meta_call(pdf: pd.DataFrame, in_task: bool, max_depth: int = 64) -> bool:
+def is_meta_call(max_depth: int = 64) -> bool:
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
@@ -47,19 +45,7 @@ def is_meta_call(pdf: pd.DataFrame, in_task: bool, max_depth: int = 64) -> bool:
         if frame.f_code.co_name in _EMULATE and str(frame.f_globals.get("__name__", "")).startswith("dask"):
             return True
         frame = frame.f_back
-    return not in_task and _is_fake_partition(pdf)
-
-
-def _is_fake_partition(pdf: pd.DataFrame) -> bool:
-    if len(pdf) != 2:
-        return False
-    try:
-        from dask.dataframe.utils import meta_nonempty
-
-        fake = meta_nonempty(pdf.iloc[:0])
-        return bool(fake.index.equals(pdf.index) and fake.equals(pdf))
-    except Exception:  # noqa: BLE001 - any doubt means: real data
-        return False
+    return False
 
 
 def check_columns(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, str]) -> None:

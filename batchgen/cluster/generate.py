@@ -48,9 +48,7 @@ def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prom
     per_row = dict(per_row or {})
     check_columns(pdf, prompt_column, per_row)
     spec = EngineSpec.make(model, engine_options)
-    worker = _current_worker()
-    in_task = worker is not None and _in_task()
-    if len(pdf) == 0 or is_meta_call(pdf, in_task):
+    if len(pdf) == 0 or is_meta_call():
         return placeholder_output(pdf)
 
     requests = read_requests(pdf, prompt_column, per_row, base)
