@@ -157,3 +157,30 @@ def test_success_record_shapes(ctx: RowContext) -> None:
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
     assert [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]] == [-0.1, -0.2]
     assert record_key(rec) == ("id", "c1")
+
+
+def test_lone_surrogates_and_prompt_lists_fail_their_line_only(tmp_path, ) -> None:
+    """A \\ud800 escape is valid JSON but not UTF-8; a list of prompts is not one prompt."""
+    import json as _json
+    import subprocess
+    import sys as _sys
+
+    from tiny_models import build_checkpoint
+
+    model = build_checkpoint("llama", tmp_path / "m")
+    lines = [
+        '{"custom_id": "ok1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hello", "max_tokens": 2}}',
+        '{"custom_id": "s\\ud800", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 2}}',
+        '{"custom_id": "p2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "bad \\udc00", "max_tokens": 2}}',
+        '{"custom_id": "p3", "method": "POST", "url": "/v1/completions", "body": {"prompt": ["a", "b"], "max_tokens": 2}}',
+        '{"custom_id": "ok2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "world", "max_tokens": 2}}',
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    run = subprocess.run([_sys.executable, "-m", "batchgen.cli", "run", "--model", str(model), "--input", str(src),
+                          "--output", str(out), "--progress", "off"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    rows = {r["custom_id"]: r for r in map(_json.loads, out.read_text().splitlines())}
+    assert len(rows) == 5 and rows["ok1"]["error"] is None and rows["ok2"]["error"] is None
+    assert "tokenized" in rows["p2"]["error"]["message"]
+    assert "list of several prompts" in rows["p3"]["error"]["message"]

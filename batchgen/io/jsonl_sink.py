@@ -40,7 +40,12 @@ class JsonlSink:
         self._add(error_record(req))
 
     def _add(self, record: dict[str, Any]) -> None:
-        self._buffer.append(json.dumps(record, ensure_ascii=False) + "\n")
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (valid JSON escape, not UTF-8): keep it escaped
+            line = json.dumps(record, ensure_ascii=True) + "\n"
+        self._buffer.append(line)
 
     def flush(self) -> None:
         if self._buffer:

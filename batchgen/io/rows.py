@@ -47,6 +47,9 @@ def set_prompt(req: Request, value: Any, param: str, ctx: RowContext) -> None:
     except RequestError as exc:
         req.fail_with(RowError("invalid_prompt", _renamed(str(exc), param), param))
         return
+    except Exception as exc:  # noqa: BLE001 - the tokenizer rejects text it cannot encode (lone surrogates)
+        req.fail_with(RowError("invalid_prompt", f"{param} cannot be tokenized: {exc}", param))
+        return
     try:
         # The engine's own check; a pool as large as the context skips its KV-pool clause,
         # which only the engine can judge.

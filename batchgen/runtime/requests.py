@@ -23,6 +23,9 @@ def prompt_to_ids(prompt: Any, tokenizer: Tokenizer | None, vocab_size: int) -> 
         ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
         if not ids:
             raise RequestError("prompt must not be empty, got []")
+        if isinstance(ids[0], (str, list, tuple)):
+            raise RequestError(f"prompt: a list of several prompts is not supported (one prompt per request); "
+                               f"got a list starting with {ids[0]!r:.40}")
         for i, tok in enumerate(ids):
             if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
                 raise RequestError(f"prompt token id {tok!r} at position {i} is outside the vocabulary "
