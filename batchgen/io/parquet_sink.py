@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.errors import BatchgenError
+
 from batchgen.io.parquet import OUTPUT_COLUMNS
 from batchgen.io.request import Request, RowKey
 
@@ -87,11 +89,21 @@ class ParquetSink:
         self.flush()
 
     def _adopt_output(self) -> None:
+        """A completed output becomes part 0, so its rows count as done. The parts directory
+        appears only once that part is whole: an adoption that fails leaves no trace."""
         # A completed output lists rows in input order: row numbers are positions.
         table = pq.read_table(self.path)
         table = table.append_column(ROW_COLUMN, pa.array(range(table.num_rows), pa.int64()))
-        self.parts.mkdir(parents=True)
-        _write_atomic(table.cast(self.schema), self.parts / "part-000000.parquet")
+        try:
+            table = table.cast(self.schema)
+        except (ValueError, pa.ArrowInvalid) as exc:
+            raise BatchgenError(f"--resume: {self.path} does not have the columns this input produces "
+                                f"({exc}); use --overwrite to start over") from None
+        staging = self.parts.with_name(f".{self.parts.name}.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        _write_atomic(table, staging / "part-000000.parquet")
+        os.replace(staging, self.parts)
 
 
 def _write_atomic(table: pa.Table, path: Path) -> None:

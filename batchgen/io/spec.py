@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from batchgen.errors import BatchgenError
+from batchgen.io.fingerprint import check_resume, record
 from batchgen.io.jsonl_sink import JsonlSink
 from batchgen.io.openai_batch import OpenAIBatchReader
 from batchgen.io.parquet import ParquetReader, check_columns, read_schema
@@ -65,6 +66,8 @@ class JobSpec:
         if self._output_exists() and not (self.resume or self.overwrite):
             raise BatchgenError(f"--output {self.output} already exists: pass --resume to "
                                 "finish it or --overwrite to start over")
+        if self.resume and self._output_exists():
+            check_resume(self.input, self.output)
         problem = SamplingParams.from_mapping(self.defaults).validate()
         if problem:
             raise BatchgenError(f"bad default sampling flag: {problem}")
@@ -80,6 +83,8 @@ class JobSpec:
         if self.overwrite:
             self.output.unlink(missing_ok=True)
             shutil.rmtree(parts_dir(self.output), ignore_errors=True)
+        if not (self.resume and self._output_exists()):
+            record(self.input, self.output)
         if self.format == "jsonl":
             return (OpenAIBatchReader(self.input, ctx),
                     JsonlSink(self.output, model=model, resume=self.resume,
