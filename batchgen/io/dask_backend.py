@@ -51,6 +51,8 @@ class DaskBackend:
         submit_more()
         for future in done:
             outputs = future.result()
-            for pos, out in zip(positions.pop(future.key), outputs):
-                yield pos, out
+            rows = positions.pop(future.key)
+            if len(outputs) != len(rows):  # never expected: fail loudly rather than drop rows
+                raise RuntimeError(f"a batchgen task returned {len(outputs)} outputs for {len(rows)} rows")
+            yield from zip(rows, outputs)
             submit_more()
