@@ -184,3 +184,11 @@ def test_lone_surrogates_and_prompt_lists_fail_their_line_only(tmp_path, ) -> No
     assert len(rows) == 5 and rows["ok1"]["error"] is None and rows["ok2"]["error"] is None
     assert "tokenized" in rows["p2"]["error"]["message"]
     assert "list of several prompts" in rows["p3"]["error"]["message"]
+
+
+def test_null_content_is_a_field_error_for_non_assistant_messages() -> None:
+    from batchgen.io.rows import _message_problem
+
+    assert _message_problem([{"role": "user", "content": None}]) == \
+        "messages[0].content must be a string or a list of text parts, got null"
+    assert _message_problem([{"role": "assistant", "content": None}, {"role": "user", "content": "hi"}]) is None

@@ -97,6 +97,8 @@ def _message_problem(messages: Any) -> str | None:
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             return f"messages[{i}] must be an object with a string 'role', got {show(m)}"
         content = m.get("content")
+        if content is None and m["role"] != "assistant":  # only an assistant turn (tool calls) may omit it
+            return f"messages[{i}].content must be a string or a list of text parts, got null"
         if not (content is None or isinstance(content, str) or _is_text_parts(content)):
             return (f"messages[{i}].content must be a string or a list of text parts, "
                     f"got {show(content)}")
