@@ -19,7 +19,7 @@ import torch
 
 from .config import EngineConfig
 from .errors import RequestError
-from .models.loader import generation_eos_ids
+from .models.info import ModelInfo
 from .models.model import Model
 from .outputs import RequestOutput
 from .runtime.executor import Executor
@@ -31,7 +31,6 @@ from .runtime.stats import RuntimeStats
 from .runtime.suspend import CoroutineCodec
 from .sampler import sample
 from .sampling_params import SamplingParams, find_stop_span
-from .tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -43,16 +42,9 @@ class Engine:
         self.config = EngineConfig.from_kwargs(dtype=dtype, device=device, **config_overrides)
         path = Path(model).expanduser()
         self.model = Model.load(path, self.config.dtype, self.config.device)
-        spec = self.model.spec
-        self.model_dir = path
-        self.tokenizer = Tokenizer.from_dir(path, generation_eos_ids(path, spec.eos_token_ids))
-        self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer
-                              else generation_eos_ids(path, spec.eos_token_ids))
-        self.vocab_size = spec.vocab_size
-        if self.config.max_model_len and self.config.max_model_len > spec.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={spec.max_position_embeddings}")
-        self.max_model_len = self.config.max_model_len or spec.max_position_embeddings
+        info = ModelInfo.for_spec(path, self.model.spec, self.config.max_model_len)
+        self.model_dir, self.tokenizer, self.eos_token_ids = path, info.tokenizer, info.eos_token_ids
+        self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len
         bs = self.config.block_size
         num_blocks = self.config.num_kv_blocks or max(1, self._kv_budget() // (bs * self.model.kv_bytes_per_token()))
         self.allocator = BlockAllocator(num_blocks, bs)
@@ -66,7 +58,6 @@ class Engine:
         self._rng = random.Random(self.config.seed)
         self._busy_s = 0.0
         self._host_kv: dict[SeqId, Any] = {}  # swapped-out KV [layers, tokens, W] on the host
-        self._host_kv_bytes = 0
 
     def _kv_budget(self) -> int:
         """Bytes for the KV pool: as configured; else on CUDA what the utilization target leaves
@@ -111,9 +102,7 @@ class Engine:
         for ev in plan.evicted:
             self._maybe_swap_out(ev.seq, ev.blocks, ev.num_computed)
         for seq in plan.swapped_in:
-            kv = self._host_kv.pop(seq.seq_id)
-            self._host_kv_bytes -= kv.numel() * kv.element_size()
-            self.executor.write_kv(seq.block_ids, kv)
+            self.executor.write_kv(seq.block_ids, self._host_kv.pop(seq.seq_id))
         if not plan:
             return self._unblock()
         for item in plan.scheduled:
@@ -140,16 +129,17 @@ class Engine:
                 num_computed, nbytes, self.config.host_link_bytes_per_s, self.recompute_tokens_per_s()):
             return
         self._host_kv[seq.seq_id] = self.executor.read_kv(blocks, num_computed)
-        self._host_kv_bytes += nbytes
         seq.num_swapped = num_computed
         seq.transition(SeqStatus.SWAPPED, "evict:swap-out")
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.release(seq)
-        kv = self._host_kv.pop(seq.seq_id, None)
-        if kv is not None:
-            self._host_kv_bytes -= kv.numel() * kv.element_size()
+        self._host_kv.pop(seq.seq_id, None)
         seq.num_swapped = 0
+
+    @property
+    def _host_kv_bytes(self) -> int:
+        return sum(kv.numel() * kv.element_size() for kv in self._host_kv.values())
 
     def _unblock(self) -> list[Sequence]:
         """Nothing could be scheduled: the head of the queue can never fit the pool alone."""
@@ -264,16 +254,13 @@ class Engine:
 
     # -- coroutine API ----------------------------------------------------------------------------
     def get(self, seq_id: SeqId) -> Sequence:
-        return self._lookup(seq_id)
-
-    def _lookup(self, seq_id: SeqId) -> Sequence:
         if seq_id not in self._seqs:
             raise KeyError(f"no sequence {seq_id} in this engine (finished and handed out, or suspended)")
         return self._seqs[seq_id]
 
     def pop_output(self, seq_id: SeqId) -> RequestOutput:
         """Hand back a finished request's output and forget it."""
-        seq = self._lookup(seq_id)
+        seq = self.get(seq_id)
         if not seq.is_finished:
             raise ValueError(f"sequence {seq_id} is not finished")
         return self.output(self._seqs.pop(seq_id))
@@ -284,7 +271,7 @@ class Engine:
         with_kv: True sends the KV cache along, False recomputes it on resume, None picks the
         cheaper by the codec's cost model (bytes to send vs tokens to recompute).
         """
-        seq = self._lookup(seq_id)
+        seq = self.get(seq_id)
         del self._seqs[seq_id]
         kv = None
         if with_kv is None:
@@ -300,7 +287,7 @@ class Engine:
     def snapshot(self, seq_id: SeqId) -> bytes:
         """The coroutine's state as `suspend(seq_id, with_kv=False)` would give it, without removing
         it here: a checkpoint another engine can resume from (it recomputes the KV)."""
-        return self.codec.encode(self._lookup(seq_id), None)
+        return self.codec.encode(self.get(seq_id), None)
 
     def resume(self, state: bytes) -> SeqId:
         """Adopt a suspended coroutine; it continues exactly where it stopped."""
@@ -327,7 +314,6 @@ class Engine:
         nbytes = n * self.model.kv_bytes_per_token()
         if n and self._host_kv_bytes + nbytes <= self.config.swap_space_bytes:
             self._host_kv[seq_id] = kv  # no room in the pool now: wait in host memory
-            self._host_kv_bytes += nbytes
             seq.num_swapped = n
             seq.transition(SeqStatus.SWAPPED, "resume:kv-to-host")
         else:

@@ -49,10 +49,6 @@ class EngineLoad:
     tokens_per_s: float = 0.0
     movable: tuple[CoroutineInfo, ...] = ()
 
-    @property
-    def num_coroutines(self) -> int:
-        return self.waiting + self.running
-
 
 @dataclass(frozen=True, slots=True)
 class BalanceConfig:

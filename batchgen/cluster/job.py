@@ -92,10 +92,6 @@ class PartitionJob:
                     del self._remote[row]
             return back
 
-    def holders(self) -> dict[int, str]:
-        with self._lock:
-            return {row: r.holder for row, r in self._remote.items()}
-
     def fail(self, exc: BaseException) -> None:
         with self._lock:
             if not self._done.is_set():

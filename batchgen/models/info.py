@@ -9,12 +9,14 @@ from pathlib import Path
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer
 from .loader import generation_eos_ids, load_spec
+from .spec import ModelSpec
 
 
 @dataclass(slots=True)
 class ModelInfo:
     model_dir: Path
     tokenizer: Tokenizer | None
+    eos_token_ids: list[int]
     vocab_size: int
     max_model_len: int
 
@@ -26,6 +28,15 @@ class ModelInfo:
         _, spec = load_spec(path)
         if not any(path.glob("*.safetensors")):
             raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors weights")
-        tokenizer = Tokenizer.from_dir(path, generation_eos_ids(path, spec.eos_token_ids))
-        return cls(path, tokenizer, spec.vocab_size,
-                   min(max_model_len or spec.max_position_embeddings, spec.max_position_embeddings))
+        return cls.for_spec(path, spec, max_model_len)
+
+    @classmethod
+    def for_spec(cls, path: Path, spec: ModelSpec, max_model_len: int | None = None) -> "ModelInfo":
+        """Tokenizer, stop ids and context length of a parsed checkpoint (Engine uses this too)."""
+        if max_model_len and max_model_len > spec.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={spec.max_position_embeddings}")
+        eos = generation_eos_ids(path, spec.eos_token_ids)
+        tokenizer = Tokenizer.from_dir(path, eos)
+        return cls(path, tokenizer, tokenizer.eos_token_ids if tokenizer else eos, spec.vocab_size,
+                   max_model_len or spec.max_position_embeddings)

@@ -49,7 +49,7 @@ class Model:
         return self.spec.num_layers
 
     def is_moe_layer(self, layer: int) -> bool:
-        return isinstance(self.spec.layers[layer].ffn, MoESpec)
+        return self.spec.layers[layer].is_moe
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids: [T] -> hidden [T, H]."""
@@ -79,4 +79,4 @@ class Model:
         return F.linear(x, self.weights.lm_head).float()
 
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * self.spec.kv_width * torch.tensor([], dtype=self.dtype).element_size()
+        return self.num_layers * self.spec.kv_width * self.dtype.itemsize
