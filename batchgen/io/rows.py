@@ -51,9 +51,8 @@ def set_prompt(req: Request, value: Any, param: str, ctx: RowContext) -> None:
         req.fail_with(RowError("invalid_prompt", f"{param} cannot be tokenized: {exc}", param))
         return
     try:
-        # The engine's own check; a pool as large as the context skips its KV-pool clause,
-        # which only the engine can judge.
-        check_length(len(ids), req.params, ctx.max_model_len, ctx.max_model_len)
+        # The engine's own check, short of the KV pool, which only the engine can judge.
+        check_length(len(ids), req.params, ctx.max_model_len)
     except RequestError as exc:
         req.fail_with(RowError("prompt_too_long", _renamed(str(exc), param), param))
         return

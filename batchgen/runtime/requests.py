@@ -43,12 +43,13 @@ def check_params(params: Any, vocab_size: int) -> SamplingParams:
     return params
 
 
-def check_length(num_prompt: int, params: SamplingParams, max_model_len: int, pool_tokens: int) -> None:
+def check_length(num_prompt: int, params: SamplingParams, max_model_len: int, pool_tokens: int | None = None) -> None:
+    """pool_tokens None: the KV pool is not known here (a driver without the engine); skip that check."""
     if num_prompt >= max_model_len:
         raise RequestError(f"prompt has {num_prompt} tokens; the model's context (max_model_len) is "
                            f"{max_model_len}, leaving no room to generate")
     # the last sampled token is never fed back, so it needs no KV slot
     need = min(num_prompt + params.max_tokens, max_model_len) - 1
-    if need > pool_tokens:
+    if pool_tokens is not None and need > pool_tokens:
         raise RequestError(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) needs {need} KV "
                            f"tokens; this engine's KV pool holds {pool_tokens}")
