@@ -18,7 +18,7 @@ import pytest
 import batchgen.demo
 from batchgen.cli import main
 from batchgen.demo import build_demo_model
-from batchgen.io.openai_batch import record_key
+from batchgen.io.openai_batch import record_error, record_key
 
 REPO = Path(__file__).resolve().parents[1]
 TINY: dict[str, Any] = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -67,8 +67,8 @@ def _by_key(path: Path) -> dict[Any, dict[str, Any]]:
 
 def _texts(records: dict[Any, dict[str, Any]]) -> dict[Any, Any]:
     def text(r: dict[str, Any]) -> Any:
-        if r["error"]:
-            return r["error"]["message"]
+        if record_error(r):
+            return record_error(r)["message"]
         c = r["response"]["body"]["choices"][0]
         return c["text"] if "text" in c else c["message"]["content"]
     return {k: text(r) for k, r in records.items()}
@@ -104,9 +104,9 @@ def test_sigkill_then_resume_matches_clean_run(tmp_path: Path, model: Path,
     resumed, reference = _by_key(out), _by_key(clean)
     assert len(reference) == len(lines) and set(resumed) == set(reference)
     assert _texts(resumed) == _texts(reference)
-    assert reference[("line", 10)]["error"]["code"] == "invalid_json"
-    assert reference[("line", 14)]["error"]["code"] == "duplicate_custom_id"
-    assert reference[("id", "req-5")]["error"]["code"] == "invalid_method"
+    assert record_error(reference[("line", 10)])["code"] == "invalid_json"
+    assert record_error(reference[("line", 14)])["code"] == "duplicate_custom_id"
+    assert record_error(reference[("id", "req-5")])["code"] == "invalid_method"
 
 
 def test_overwrite_and_parquet(tmp_path: Path, model: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,7 +187,7 @@ def test_demo(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.chdir(tmp_path)
     assert main(["demo", "--progress", "off"]) == 0
     records = _by_key(tmp_path / "demo_out" / "results.jsonl")
-    assert len(records) == 16 and all(r["error"] is None for r in records.values())
+    assert len(records) == 16 and all(record_error(r) is None for r in records.values())
     objects = {r["response"]["body"]["object"] for r in records.values()}
     assert objects == {"text_completion", "chat.completion"}
     out = capsys.readouterr().out

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from batchgen.io.openai_batch import record_error
+
 LINES = [
     {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
      "body": {"prompt": text, "max_tokens": n, "temperature": 0.0}}
@@ -40,11 +42,11 @@ def test_run_on_local_dask_cluster_matches_local_engine(checkpoint_factory, tmp_
     a, b = _by_id(local), _by_id(clustered)
     assert sorted(a) == sorted(b) == sorted(line["custom_id"] for line in LINES)
     for key in a:
-        if a[key]["error"] is None:
+        if record_error(a[key]) is None:
             assert a[key]["response"]["body"]["choices"] == b[key]["response"]["body"]["choices"]
             assert a[key]["response"]["body"]["usage"] == b[key]["response"]["body"]["usage"]
         else:
-            assert b[key]["error"] is not None and b[key]["response"]["status_code"] == 400
+            assert record_error(b[key]) is not None and b[key]["response"]["status_code"] == 400
     assert "1 errors" in second.stderr or "1 error" in second.stderr
 
 

@@ -18,7 +18,7 @@ from batchgen.demo import build_demo_model
 from batchgen.engine import Engine
 from batchgen.io.backend import EngineBackend
 from batchgen.io.job import run_file_job
-from batchgen.io.openai_batch import record_key
+from batchgen.io.openai_batch import record_error, record_key
 from batchgen.io.spec import JobSpec
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -175,14 +175,15 @@ def test_every_line_answered_once(engine: Engine, lines: list[tuple[str, str, in
         records = [json.loads(x) for x in out.read_text().splitlines()]
     got = {}
     for r in records:
-        key, err = record_key(r), r["error"]
+        key, err = record_key(r), record_error(r)
         assert key not in got, f"{key} answered twice"
         got[key] = r
+        assert r["error"] is None  # only a request that got no response fills it
         if err:
             assert err["message"].startswith(f"line {err['line']}: ")
             assert r["response"]["status_code"] == 400
     assert sorted(got) == sorted(k for k, _ in expected)
-    assert all((got[k]["error"] is None) == ok for k, ok in expected)
+    assert all((record_error(got[k]) is None) == ok for k, ok in expected)
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
                           add_special_tokens=False) if chat else p for _, p, _, chat in valid]

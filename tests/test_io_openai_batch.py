@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from batchgen.demo import EOS_ID, train_tokenizer
-from batchgen.io.openai_batch import OpenAIBatchReader, error_record, record_key, success_record
+from batchgen.io.openai_batch import (OpenAIBatchReader, error_record, record_error, record_key,
+                                      success_record)
 from batchgen.io.request import Request
 from batchgen.io.rows import RowContext
 from batchgen.outputs import RequestOutput
@@ -62,6 +63,24 @@ def test_valid_completion_and_chat(tmp_path: Path, ctx: RowContext) -> None:
     assert (c.params.seed, c.params.stop, c.params.logprobs) == (3, ["\n"], 2)
 
 
+def test_integral_floats_are_ints(tmp_path: Path, ctx: RowContext) -> None:
+    """As the OpenAI server (pydantic, lax mode) takes them: 3.0 is 3 in an integer field."""
+    a, b = _parse(tmp_path, ctx, [
+        _line("a", prompt="x", max_tokens=3.0, min_tokens=1.0, top_k=4.0, seed=7.0, logprobs=2.0,
+              n=1.0, stop_token_ids=[5.0, 6]),
+        _line("b", url="/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+              max_completion_tokens=2.0, logprobs=True, top_logprobs=3.0, temperature=1),
+    ])
+    assert a.error is None and b.error is None
+    p = a.params
+    got = (p.max_tokens, p.min_tokens, p.top_k, p.seed, p.logprobs, p.n, p.stop_token_ids)
+    assert got == (3, 1, 4, 7, 2, 1, [5, 6])
+    assert all(type(v) is int for v in (*got[:-1], *got[-1]))
+    assert (b.params.max_tokens, b.params.logprobs) == (2, 3)
+    assert type(b.params.max_tokens) is int and type(b.params.logprobs) is int
+    assert type(b.params.temperature) is int  # float fields are left alone
+
+
 BAD_LINES: list[tuple[Any, str, list[str]]] = [
     ("{not json", "invalid_json", ["not valid JSON", "{not json"]),
     ("[1, 2]", "invalid_json", ["[1, 2]"]),
@@ -81,6 +100,13 @@ BAD_LINES: list[tuple[Any, str, list[str]]] = [
     (_line(prompt="x", top_p=7), "invalid_value", ["body.top_p", "7"]),
     (_line(prompt="x", temprature=1), "unknown_field", ["body.temprature", "'temperature'"]),
     (_line(prompt="x", n=2), "invalid_value", ["body.n", "2"]),
+    # Integral floats are ints (test_integral_floats_are_ints); nothing else is.
+    (_line(prompt="x", max_tokens=3.5), "invalid_value", ["body.max_tokens", "3.5"]),
+    (_line(prompt="x", max_tokens=True), "invalid_value", ["body.max_tokens", "True"]),
+    (_line(prompt="x", max_tokens="3"), "invalid_value", ["body.max_tokens", "'3'"]),
+    (_line(prompt="x", seed=1.5), "invalid_value", ["body.seed", "1.5"]),
+    (_line(prompt="x", top_k=float("inf")), "invalid_value", ["body.top_k", "inf"]),
+    (_line(prompt="x", stop_token_ids=[2.5]), "invalid_value", ["body.stop_token_ids", "2.5"]),
     (_line(prompt="x", stream=True), "unsupported_value", ["body.stream=True"]),
     (_line(url="/v1/chat/completions", messages="hi"), "invalid_prompt",
      ["body.messages", "'hi'"]),
@@ -102,8 +128,54 @@ def test_bad_line_is_an_error_naming_line_field_value(tmp_path: Path, ctx: RowCo
     for part in named:
         assert part in err.message
     record = error_record(reqs[1])
+    _assert_openai_400(record, code, err.message, err.param, line=2)
+
+
+def _assert_openai_400(record: dict[str, Any], code: str, message: str, param: str | None,
+                       line: int) -> None:
+    """OpenAI's batch output for a request its API rejected: the error in one place, under
+    ``response.body``, with the top-level ``error`` null."""
+    assert record["error"] is None
     assert record["response"]["status_code"] == 400
-    assert record["error"]["line"] == 2 and record["error"]["code"] == code
+    assert record["response"]["body"] == {"error": {
+        "message": message, "type": "invalid_request_error", "param": param, "code": code,
+        "line": line}}
+    assert record_error(record) is record["response"]["body"]["error"]
+
+
+def test_engine_failure_is_the_same_400_shape(tmp_path: Path) -> None:
+    """A row the engine rejects (after parsing) gets the same record as a bad line."""
+    from batchgen.io.jsonl_sink import JsonlSink
+    from batchgen.io.job import run_job
+    from batchgen.sampling_params import SamplingParams
+
+    class Rejects:
+        def run(self, requests: Any, max_in_flight: int) -> Any:
+            for position, _ in enumerate(requests):
+                yield position, RequestOutput(index=0, prompt_token_ids=[1], token_ids=[], text="",
+                                              finish_reason="error", error="does not fit the KV pool")
+
+    req = Request(key=("id", "a"), where="line 3", number=3, custom_id="a",
+                  prompt_token_ids=[1, 2], params=SamplingParams())
+    path = tmp_path / "out.jsonl"
+    summary = run_job([req], JsonlSink(path, model="m", resume=False), Rejects())
+    assert summary.errors == 1
+    [record] = [json.loads(x) for x in path.read_text().splitlines()]
+    _assert_openai_400(record, "invalid_request", "line 3: does not fit the KV pool", None, line=3)
+    assert record["custom_id"] == "a" and record_key(record) == ("id", "a")
+
+
+def test_record_key_reads_previous_and_response_less_shapes() -> None:
+    """Outputs of earlier versions (the error in both places) still resume; so would a line
+    with a top-level error and no response (OpenAI's expired requests)."""
+    old = {"custom_id": None, "error": {"code": "invalid_json", "line": 4},
+           "response": {"status_code": 400, "body": {"error": {"code": "invalid_json", "line": 4}}}}
+    assert record_key(old) == ("line", 4)
+    expired = {"custom_id": "x", "response": None,
+               "error": {"code": "batch_expired", "message": "not run in time"}}
+    assert record_error(expired) == expired["error"] and record_key(expired) == ("id", "x")
+    ok = {"custom_id": "y", "error": None, "response": {"status_code": 200, "body": {"choices": []}}}
+    assert record_error(ok) is None and record_key(ok) == ("id", "y")
 
 
 def test_no_chat_template_is_a_row_error(tmp_path: Path, ctx: RowContext) -> None:
@@ -181,9 +253,10 @@ def test_lone_surrogates_and_prompt_lists_fail_their_line_only(tmp_path, ) -> No
                           "--output", str(out), "--progress", "off"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     rows = {r["custom_id"]: r for r in map(_json.loads, out.read_text().splitlines())}
-    assert len(rows) == 5 and rows["ok1"]["error"] is None and rows["ok2"]["error"] is None
-    assert "tokenized" in rows["p2"]["error"]["message"]
-    assert "list of several prompts" in rows["p3"]["error"]["message"]
+    assert len(rows) == 5 and all(r["error"] is None for r in rows.values())
+    assert record_error(rows["ok1"]) is None and record_error(rows["ok2"]) is None
+    assert "tokenized" in record_error(rows["p2"])["message"]
+    assert "list of several prompts" in record_error(rows["p3"])["message"]
 
 
 def test_null_content_is_a_field_error_for_non_assistant_messages() -> None:

@@ -6,9 +6,14 @@ Input, one request per line (blank lines are skipped)::
      "body": {"prompt": "Hello", "max_tokens": 16}}
 
 Output, one line per input line, in finishing order: a ``text_completion`` or
-``chat.completion`` object under ``response.body``, or for a bad line ``response.status_code``
-400 and ``error = {code, message, param, line}`` (the shape of OpenAI's batch validation
-errors), the message naming the line, the field and the value.
+``chat.completion`` object under ``response.body``. A line that fails (malformed JSON, a bad
+field, a prompt too long, a generation the engine rejects) is answered the way OpenAI's batch
+output answers a request the API rejected with an HTTP 400: ``response.status_code`` 400 and
+``response.body.error = {message, type, param, code, line}`` (``line`` is ours: the input line,
+which is how ``--resume`` recognises a row that has no usable custom_id), the message naming the
+line, the field and the value. The top-level ``error`` is null on every line: OpenAI fills it
+(with ``response`` null) only for a request that never got a response, such as one that expired,
+and batchgen writes no such line (a row it did not finish stays unwritten, for ``--resume``).
 """
 from __future__ import annotations
 
@@ -134,26 +139,36 @@ def success_record(req: Request, out: RequestOutput, model: str,
                   "completion_tokens": out.num_generated_tokens,
                   "total_tokens": out.num_prompt_tokens + out.num_generated_tokens},
     }
-    return _record(req, 200, body, None)
+    return _record(req, 200, body)
 
 
 def error_record(req: Request) -> dict[str, Any]:
+    """A failed row: status 400 and the error under ``response.body.error``, as OpenAI writes a
+    request its API rejected; the top-level ``error`` stays null (see the module docstring)."""
     assert req.error is not None
-    error = {"code": req.error.code, "message": req.error.message, "param": req.error.param,
-             "line": req.number}
-    return _record(req, 400, {"error": error}, error)
+    error = {"message": req.error.message, "type": "invalid_request_error",
+             "param": req.error.param, "code": req.error.code, "line": req.number}
+    return _record(req, 400, {"error": error})
+
+
+def record_error(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The error of an output line, or None for a success: ``response.body.error``, or the
+    top-level ``error`` of a line that has no response."""
+    response = record.get("response")
+    if response is None:
+        return record.get("error")
+    return (response.get("body") or {}).get("error")
 
 
 def record_key(record: dict[str, Any]) -> RowKey:
     """The key of the input row an output line answers (see ``identify``)."""
-    error = record.get("error") or {}
+    error = record_error(record) or {}
     if record.get("custom_id") is None or error.get("code") in _LINE_KEYED_CODES:
         return ("line", error["line"])
     return ("id", record["custom_id"])
 
 
-def _record(req: Request, status: int, body: dict[str, Any],
-            error: dict[str, Any] | None) -> dict[str, Any]:
+def _record(req: Request, status: int, body: dict[str, Any]) -> dict[str, Any]:
     return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": req.custom_id,
             "response": {"status_code": status, "request_id": uuid.uuid4().hex, "body": body},
-            "error": error}
+            "error": None}

@@ -8,8 +8,9 @@ nothing we do not do (``stream: false``, ``n: 1``).
 from __future__ import annotations
 
 import difflib
+import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, get_type_hints
 
 from batchgen.errors import RequestError
 from batchgen.io.request import RowError, describe
@@ -29,6 +30,9 @@ _OPENAI_IGNORED = frozenset({
 _PROMPT_FIELDS = frozenset({"prompt", "messages"})
 FIELD_NAMES = frozenset(SamplingParams.__dataclass_fields__)
 _ALIASES = frozenset({"max_completion_tokens", "top_logprobs"})  # see SamplingParams.from_mapping
+_HINTS = get_type_hints(SamplingParams)
+INT_FIELDS = frozenset({n for n, t in _HINTS.items() if t in (int, int | None)} | _ALIASES)
+INT_LIST_FIELDS = frozenset(n for n, t in _HINTS.items() if t == list[int] | None)
 
 
 class FieldError(RequestError):
@@ -67,7 +71,7 @@ def make_params(defaults: Mapping[str, Any], fields: Mapping[str, Any],
     """``fields`` (a row's own) override ``defaults`` (the job's); both use vLLM's names or
     the OpenAI aliases. Raises ``FieldError`` naming the field and the value."""
     try:
-        params = SamplingParams.from_mapping({**defaults, **fields})
+        params = SamplingParams.from_mapping(integral_floats_to_int({**defaults, **fields}))
     except TypeError as exc:  # an unknown field name
         raise FieldError(RowError("unknown_field", str(exc))) from None
     problem = params.validate(vocab_size)
@@ -76,3 +80,25 @@ def make_params(defaults: Mapping[str, Any], fields: Mapping[str, Any],
         param = prefix + name if name in FIELD_NAMES else None
         raise FieldError(RowError("invalid_value", prefix + problem, param))
     return params
+
+
+def integral_floats_to_int(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """An integral float in an integer field becomes an int (``max_tokens: 3.0`` -> 3), as the
+    OpenAI server's lax parsing takes it; a pandas integer column with nulls reaches Parquet as
+    floats too. Anything else (3.5, true, "3") is left as it is, for ``validate`` to reject
+    naming the field and the value."""
+    out = dict(fields)
+    for name, value in fields.items():
+        if name in INT_FIELDS:
+            out[name] = _as_int(value)
+        elif name in INT_LIST_FIELDS and isinstance(value, (list, tuple)):
+            out[name] = [_as_int(v) for v in value]
+    return out
+
+
+def _as_int(value: Any) -> Any:
+    # bool is Integral, so it is never touched; inf and NaN are not integral.
+    if (isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+            and float(value).is_integer()):
+        return int(value)
+    return value

@@ -5,9 +5,21 @@ name and renames it into place, so a part is either whole or absent. Parts carry
 number (``ROW_COLUMN``); the commit sorts by it, so the output lists rows in input order, writes
 ``<output>`` the same atomic way and removes the parts. ``--resume`` reads the row numbers of the
 parts (or, after a completed run, of the output itself) as done.
+
+The input's pandas metadata (``b"pandas"``) is carried to the output, so ``pd.read_parquet``
+gives the output the input's index: an index stored as columns passes through like any column,
+and a ``RangeIndex`` stored as metadata stays right because the output holds every input row
+once, in input order. It is fixed when the sink opens, identical in every part, and describes
+the input's columns only; pandas reads the added columns by their Arrow types. Its column
+header description (``column_indexes``) is kept only for the common header, one level of string
+labels: a header that cannot also label the added string-named columns (a MultiIndex, integer
+labels) is dropped, and those columns come back labelled by their Parquet names. Other schema
+metadata (e.g. Hugging Face ``datasets`` features) lists the input's columns as all there are,
+so it is not carried.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -36,7 +48,8 @@ class ParquetSink:
 
     def __init__(self, path: Path, input_schema: pa.Schema, *, resume: bool) -> None:
         self.path, self.parts = path, parts_dir(path)
-        self.schema = pa.schema([*input_schema, *OUTPUT_COLUMNS, (ROW_COLUMN, pa.int64())])
+        self.schema = pa.schema([*input_schema, *OUTPUT_COLUMNS, (ROW_COLUMN, pa.int64())],
+                                metadata=output_metadata(input_schema))
         self._rows: list[dict[str, Any]] = []
         self.done: set[RowKey] = set()
         if not resume:
@@ -81,6 +94,7 @@ class ParquetSink:
         tables = [pq.read_table(f, schema=self.schema) for f in files]
         table = pa.concat_tables(tables) if tables else self.schema.empty_table()
         table = table.sort_by(ROW_COLUMN).drop_columns([ROW_COLUMN])
+        table = table.replace_schema_metadata(self.schema.metadata)
         _write_atomic(table, self.path)
         shutil.rmtree(self.parts)
 
@@ -104,6 +118,25 @@ class ParquetSink:
         staging.mkdir(parents=True)
         _write_atomic(table, staging / "part-000000.parquet")
         os.replace(staging, self.parts)
+
+
+def output_metadata(input_schema: pa.Schema) -> dict[bytes, bytes] | None:
+    """The schema metadata of the output: the input's pandas metadata (see the module
+    docstring), or None."""
+    raw = (input_schema.metadata or {}).get(b"pandas")
+    if raw is None:
+        return None
+    try:
+        pandas = json.loads(raw)
+    except ValueError:
+        return None  # not pandas' own: nothing to keep
+    if not isinstance(pandas, dict):
+        return None
+    header = pandas.get("column_indexes")
+    if (isinstance(header, list) and len(header) == 1 and isinstance(header[0], dict)
+            and header[0].get("pandas_type") == "unicode"):
+        return {b"pandas": raw}
+    return {b"pandas": json.dumps({**pandas, "column_indexes": []}).encode()}
 
 
 def _write_atomic(table: pa.Table, path: Path) -> None:
