@@ -163,19 +163,30 @@ def _execute(spec: JobSpec, model: str | Path, args: argparse.Namespace) -> JobS
 
 def _execute_on_cluster(spec: JobSpec, model: str | Path, args: argparse.Namespace) -> JobSummary:
     """The driver reads config and tokenizer only; the weights load on the workers."""
-    from batchgen.cluster import connect
+    from distributed import Client
+
+    from batchgen.cluster.client import disconnect, install, local_cluster, release
+    from batchgen.cluster.spec import EngineSpec
     from batchgen.io.dask_backend import DaskBackend
     from batchgen.io.job import run_file_job
     from batchgen.models.info import ModelInfo
 
     info = ModelInfo.load(model)  # ModelLoadError / UnsupportedModelError: exit 2, before any work
     options = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v is not None}
-    client = connect(scheduler_address=args.scheduler, n_workers=args.workers)
+    cluster = None if args.scheduler else local_cluster(args.workers)
+    client = Client(args.scheduler) if args.scheduler else Client(cluster)
     try:
-        backend = DaskBackend(client, model, engine_options=options)
-        return run_file_job(spec, info, chunk_size=args.chunk_size, progress=args.progress, backend=backend)
+        ours = install(client)  # False: the cluster already runs batchgen for someone else too
+        try:
+            backend = DaskBackend(client, model, engine_options=options)
+            return run_file_job(spec, info, chunk_size=args.chunk_size, progress=args.progress, backend=backend)
+        finally:
+            if args.scheduler:  # leave the user's cluster as we found it
+                if ours:
+                    disconnect(client)  # also stops every engine the plugin's workers held
+                else:
+                    release(client, EngineSpec.make(model, options).key)
     finally:
-        cluster = client.cluster if args.workers else None
         client.close()
         if cluster is not None:
             cluster.close()

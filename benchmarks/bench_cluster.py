@@ -147,7 +147,7 @@ def main() -> None:
             bc.connect(client=client, balance=BalanceConfig(split=False, migrate=False))
             warm_up(client, model, options, vocab)
             seconds["static"] = min(seconds.get("static", float("inf")), run_batchgen(client, ddf, model, options))
-            bc.connect(client=client)  # re-registers the plugin with splitting and migration on
+            bc.connect(client=client, balance=BalanceConfig())  # re-registers: split and migration on
             warm_up(client, model, options, vocab)
             seconds["batchgen"] = min(seconds.get("batchgen", float("inf")), run_batchgen(client, ddf, model, options))
             moved = bc.metrics(client)

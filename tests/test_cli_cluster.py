@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,3 +56,33 @@ def test_cluster_run_with_missing_model_fails_fast(tmp_path: Path) -> None:
     src.write_text(json.dumps(LINES[0]) + "\n")
     result = _run(tmp_path / "no-model", src, tmp_path / "out.jsonl", "--workers", "2")
     assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def _cluster_state(client: Any) -> tuple[bool, list[int]]:
+    """(plugin registered?, engines each worker holds)."""
+    plugin = client.run_on_scheduler(lambda dask_scheduler: "batchgen-balance" in dask_scheduler.plugins)
+    engines = client.run(lambda dask_worker: len(dask_worker.extensions["batchgen"].host.loads())
+                         if "batchgen" in dask_worker.extensions else 0)
+    return plugin, sorted(engines.values())
+
+
+@pytest.mark.slow
+def test_run_on_a_users_cluster_leaves_it_as_found(checkpoint_factory, tmp_path: Path) -> None:
+    from distributed import Client, LocalCluster
+
+    import batchgen.cluster as bc
+
+    model = checkpoint_factory("mixtral")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in LINES[:3]))
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        address = cluster.scheduler_address
+        first = _run(model, src, tmp_path / "a.jsonl", "--scheduler", address)
+        assert first.returncode == 0, first.stderr
+        assert _cluster_state(client) == (False, [0, 0])  # we installed it: plugin and engines gone
+        bc.connect(client=client)  # someone else runs batchgen on this cluster
+        second = _run(model, src, tmp_path / "b.jsonl", "--scheduler", address)
+        assert second.returncode == 0, second.stderr
+        assert _cluster_state(client) == (True, [0, 0])  # their plugin stays; our idle engines go
+        assert _by_id(tmp_path / "a.jsonl").keys() == _by_id(tmp_path / "b.jsonl").keys() == {"r0", "r1", "r2"}

@@ -7,6 +7,7 @@ One cluster for the module; the worker-kill test runs after the others that need
 from __future__ import annotations
 
 import io
+import logging
 import os
 import signal
 import time
@@ -157,8 +158,38 @@ def test_worker_killed_mid_job_loses_and_duplicates_nothing(client: Client, ckpt
     assert recovered_on(client, owner) > before_recovered
 
 
+def engines_loaded(client: Client) -> list[int]:
+    return list(client.run(lambda dask_worker: len(dask_worker.extensions[EXTENSION].host.loads())).values())
+
+
+def test_release_stops_idle_engines_and_keeps_the_plugin(client: Client, ckpt: Path, reference: Any) -> None:
+    client.wait_for_workers(2, timeout=60)
+    client.gather([submit(client, rows(1, lambda i: 1), ckpt, w) for w in workers(client)])
+    assert engines_loaded(client) == [1, 1]
+    assert bc.release(client, model="/not/this/model") == 0 and engines_loaded(client) == [1, 1]
+    assert bc.release(client) == 2
+    assert engines_loaded(client) == [0, 0] and bc.is_installed(client)
+    assert bc.install(client) is False  # already there: kept, engines and all
+    pdf = rows(3, lambda i: 4)
+    for w in workers(client):  # an engine starts again on demand
+        assert submit(client, pdf, ckpt, w).result()["generated_text"].tolist() == reference(pdf)
+    assert engines_loaded(client) == [1, 1]
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def test_disconnect_removes_plugin_and_handlers(client: Client) -> None:
     client.wait_for_workers(2, timeout=60)
+    scheduler_log = Collect()  # the scheduler runs in this process; distributed's loggers do not propagate
+    logging.getLogger("distributed").addHandler(scheduler_log)
+    time.sleep(0.5)  # load pushes are flowing
     bc.disconnect(client)
     assert not client.run_on_scheduler(lambda dask_scheduler: PLUGIN_NAME in dask_scheduler.plugins
                                        or any(h.startswith("batchgen") for h in dask_scheduler.handlers))
@@ -167,6 +198,10 @@ def test_disconnect_removes_plugin_and_handlers(client: Client) -> None:
     assert list(left.values()) == [(False, False, False)] * 2
     bc.connect(client=client)
     assert bc.is_installed(client)
+    assert bc.install(client, push_interval=0.1) is True  # new settings: re-registered
+    time.sleep(0.5)
+    logging.getLogger("distributed").removeHandler(scheduler_log)
+    assert not [m for m in scheduler_log.messages if "No handler batchgen" in m]
 
 
 def test_connect_without_address_starts_a_local_cluster_with_the_plugin() -> None:

@@ -1,6 +1,7 @@
 """The migration protocol between two Hosts in one process (no Dask): an in-process bus stands in
 for the RPC handlers. Moved rows come back to their owner exactly once, whether the holder
-returns them, vanishes, hands them back on close, or cannot be reached."""
+returns them, vanishes, hands them back on close, passes them on, or cannot be reached; a closed
+job's rows stop wherever they run."""
 from __future__ import annotations
 
 import pickle
@@ -46,6 +47,9 @@ class Bus:
             "batchgen_result": lambda: host.receive_results(msg["jobs"]),
             "batchgen_bounce": lambda: host.receive_bounce(msg["jobs"]),
             "batchgen_progress": lambda: host.receive_progress(msg["holder"], msg["jobs"]),
+            "batchgen_forward": lambda: host.receive_forward(msg["holder"], msg["dst"], EngineSpec.from_msg(msg["spec"]),
+                                                             msg["jobs"]),
+            "batchgen_cancel": lambda: host.receive_cancel(msg["owner"], msg["job_id"], msg["rows"]),
         }
         threading.Thread(target=calls[op]).start()
 
@@ -85,6 +89,15 @@ def pair() -> Iterator[tuple[Bus, Host, Host]]:
     yield bus, a, b
     for host in (a, b):
         host.close()
+
+
+@pytest.fixture
+def trio(pair: tuple[Bus, Host, Host]) -> Iterator[tuple[Bus, Host, Host, Host]]:
+    bus, a, b = pair
+    c = Host(BusTransport(bus, "C"))
+    bus.hosts["C"] = c
+    yield bus, a, b, c
+    c.close()
 
 
 def start(host: Host, spec: EngineSpec) -> PartitionJob:
@@ -202,3 +215,69 @@ def test_a_vanished_holder_s_rows_resume_from_their_last_progress(pair: tuple[Bu
         assert a.counters.recovered == 2 and a.counters.rows_done == len(PROMPTS)
     finally:
         gate.set()
+
+
+def held(host: Host, spec: EngineSpec) -> tuple[int, ...]:
+    """Seq ids of the coroutines `host` holds for other workers."""
+    refs = host.runner(spec).call(lambda engine: dict(host.runner(spec)._tickets)).result(10)
+    return tuple(seq_id for seq_id, ref in refs.items() if not ref.is_local)
+
+
+def test_held_rows_move_on_through_their_owner(trio: tuple[Bus, Host, Host, Host], spec: EngineSpec,
+                                               expected: list[list[int]]) -> None:
+    _, a, b, c = trio
+    job = start(a, spec)
+    move_two(a, spec, "B")
+    wait_until(lambda: len(held(b, spec)) == 2)
+    b.execute(Migration("B", "C", spec.key, held(b, spec), 0, "migrate"))
+    wait_until(lambda: c.counters.migrated_in == 2)
+    assert set(job.holders().values()) <= {"C"}  # the owner learnt the new holder first
+    assert held(b, spec) == ()
+    assert finish(a, job) == expected
+    assert (b.counters.forwarded, b.counters.returned, c.counters.returned) == (2, 0, 2)
+    assert a.counters.rows_done == len(PROMPTS) and a.counters.recovered == 0
+
+
+def test_held_rows_moved_to_their_owner_resume_there(pair: tuple[Bus, Host, Host], spec: EngineSpec,
+                                                     expected: list[list[int]]) -> None:
+    _, a, b = pair
+    job = start(a, spec)
+    move_two(a, spec, "B")
+    wait_until(lambda: len(held(b, spec)) == 2)
+    b.execute(Migration("B", "A", spec.key, held(b, spec), 0, "migrate"))
+    assert finish(a, job) == expected
+    assert (b.counters.forwarded, b.counters.returned) == (2, 0)
+    assert a.counters.rows_done == len(PROMPTS)
+
+
+def test_a_forward_the_owner_cannot_get_keeps_the_rows_at_the_holder(pair: tuple[Bus, Host, Host], spec: EngineSpec,
+                                                                      expected: list[list[int]]) -> None:
+    bus, a, b = pair
+    job = start(a, spec)
+    move_two(a, spec, "B")
+    wait_until(lambda: len(held(b, spec)) == 2)
+    deliver = bus.deliver
+
+    def drop_forwards(src: str, dst: str, op: str, msg: dict[str, Any], on_error: Any) -> None:
+        if op == "batchgen_forward":
+            on_error(ConnectionError("lost"))
+        else:
+            deliver(src, dst, op, msg, on_error)
+    bus.deliver = drop_forwards  # type: ignore[method-assign]
+    b.execute(Migration("B", "A", spec.key, held(b, spec), 0, "migrate"))
+    assert finish(a, job) == expected
+    assert (b.counters.forwarded, b.counters.returned) == (2, 2)
+
+
+def test_a_closed_job_stops_its_rows_held_elsewhere(pair: tuple[Bus, Host, Host], spec: EngineSpec) -> None:
+    _, a, b = pair
+    job = start(a, spec)
+    order = move_two(a, spec, "B")
+    wait_until(lambda: len(held(b, spec)) == 2)
+    job.fail(RuntimeError("the task was cancelled"))
+    a.close_job(job)
+    wait_until(lambda: b.counters.cancelled == 2)
+    assert held(b, spec) == ()
+    # coroutines of that job still in flight to B are refused
+    b.adopt("A", spec, [(job.job_id, row, b"never resumed") for row in range(len(order.seq_ids))])
+    assert held(b, spec) == () and b.counters.returned == 0

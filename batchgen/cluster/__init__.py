@@ -7,7 +7,7 @@
 Modules: generate (the partition function), frame (pandas in/out, meta calls), spec (engine
 key), runner (an engine and its loop thread), job (rows a task waits for), host (engines, jobs,
 migration), worker (worker extension, RPC handlers, load push), plugin (scheduler plugin),
-balance (pure policy), client (connect / disconnect), dataframe, monitor (metrics, progress).
+balance (pure policy), client (connect / disconnect / release), dataframe, monitor (metrics, progress).
 `generate` is bound eagerly (its module shares its name, and it imports nothing heavy); the
 other names load on first use, so `import batchgen` does not import distributed.
 """
@@ -20,7 +20,7 @@ from .generate import generate
 
 _EXPORTS = {
     "connect": "client", "disconnect": "client", "install": "client", "is_installed": "client",
-    "local_cluster": "client",
+    "local_cluster": "client", "release": "client",
     "generate_dataframe": "dataframe",
     "metrics": "monitor", "progress": "monitor",
     "BalanceConfig": "balance", "Migration": "balance", "EngineLoad": "balance", "plan_migrations": "balance",

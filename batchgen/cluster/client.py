@@ -4,8 +4,9 @@
     client = batchgen.cluster.connect("tcp://scheduler:8786")  # any Dask cluster
     client = batchgen.cluster.connect(client=existing_client)
 
-Each registers the BalancePlugin (which installs the worker side on every worker); `disconnect`
-removes it and every handler it installed.
+Each registers the BalancePlugin (which installs the worker side on every worker) unless the
+cluster already has it; `disconnect` removes it and every handler it installed; `release` stops
+idle engines and keeps the plugin.
 """
 from __future__ import annotations
 
@@ -42,16 +43,24 @@ def connect(scheduler_address: str | None = None, client: Client | None = None, 
     return client
 
 
-def install(client: Client, balance: BalanceConfig | None = None, push_interval: float | None = None) -> None:
-    """Register (or re-register with new settings) the batchgen plugin on `client`'s cluster."""
+def install(client: Client, balance: BalanceConfig | None = None, push_interval: float | None = None) -> bool:
+    """Register the batchgen plugin on `client`'s cluster; -> True when this call registered it.
+
+    A plugin already there is kept as it is unless `balance` or `push_interval` is given (then it
+    is re-registered with those settings): other clients of a shared cluster may be running jobs
+    on it, and re-registering restarts every worker's engines.
+    """
     import dask.config
     from dask.utils import parse_timedelta
 
+    if is_installed(client):
+        if balance is None and push_interval is None:
+            return False
+        disconnect(client)
     if push_interval is None:
         push_interval = parse_timedelta(dask.config.get("batchgen.cluster.push-interval", default="200ms"))
-    if is_installed(client):
-        disconnect(client)
     client.register_plugin(BalancePlugin(balance, push_interval=push_interval), name=PLUGIN_NAME)
+    return True
 
 
 def is_installed(client: Client) -> bool:
@@ -62,6 +71,15 @@ def disconnect(client: Client) -> None:
     """Remove the plugin, its scheduler handlers, the worker plugin and the workers' handlers
     and engines. The cluster and client stay up."""
     client.run_on_scheduler(_remove_plugin)
+
+
+def release(client: Client, model: str | None = None) -> int:
+    """Stop the engines that hold no work on every worker (only those of `model`, an EngineSpec
+    key, when given), freeing their GPU/host memory; -> how many stopped. The plugin stays; the
+    next task that needs an engine starts it again."""
+    from .worker import release_engines
+
+    return sum(client.run(release_engines, model=model).values())
 
 
 def local_cluster(n_workers: int | None = None, **options: Any) -> SpecCluster:

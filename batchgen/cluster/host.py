@@ -9,10 +9,15 @@ handlers that call in here):
     holder --result(outputs)--> owner        the row is done; the owner drops the kept state
     holder --bounce(states)--> owner         the holder gives rows back (closing, cannot resume)
     holder --progress(states)--> owner       KV-less snapshots of the rows' progress (`push_progress`)
+    holder --forward(states, dst)--> owner   re-migration: the holder is told to pass rows on; the
+                                             owner records the new holder, then adopts them to it
+    owner --cancel(rows)--> holder           the owning task failed or ended: drop its rows
 
 The owner keeps each moved row's suspended state until its result arrives, replacing it with the
 holder's newer snapshots; when the holder leaves the cluster the owner resumes the row itself
-from the newest state it has (`recover`). All sends go through a
+from the newest state it has (`recover`). A re-migration goes through the owner (two hops, not
+one) so that the owner always knows a row's holder before that holder has it: a direct
+holder-to-holder hand-off could die with the new holder before the owner heard of it. All sends go through a
 `Transport`; outside Dask there is none and nothing ever migrates.
 """
 from __future__ import annotations
@@ -24,8 +29,9 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..errors import BatchgenError
 from ..outputs import RequestOutput
@@ -35,9 +41,12 @@ from .runner import EngineRunner, Request, RowRef, RunnerLoad
 from .spec import EngineSpec
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How often a holder sends owners the progress of their rows (at most; on the load push).
 PROGRESS_EVERY_S = 1.0
+# Cancelled (owner, job) pairs a holder remembers, to refuse their coroutines still in transit.
+_CANCELLED_KEPT = 1024
 
 
 class Transport(Protocol):
@@ -59,6 +68,8 @@ class HostCounters:
     returned: int = 0  # rows finished here for another worker's task
     progress_sent: int = 0  # snapshots of held rows sent to their owners
     refreshed: int = 0  # kept states of moved rows replaced by their holder's newer snapshot
+    forwarded: int = 0  # coroutines held for others passed on to a third worker (via their owner)
+    cancelled: int = 0  # coroutines held for others dropped because their owner's task ended
 
 
 class Host:
@@ -71,6 +82,7 @@ class Host:
         self._closed = False
         self.peak_jobs = 0  # most partitions waiting here at once (seceded tasks)
         self._last_progress = 0.0
+        self._cancelled: dict[tuple[str, str], None] = {}  # (owner, job_id), oldest first
 
     @property
     def address(self) -> str | None:
@@ -81,7 +93,7 @@ class Host:
         """The engine for `spec`, started on first use (a closed host only serves running jobs)."""
         with self._lock:
             runner = self._runners.get(spec)
-            if runner is None or runner.failure is not None:
+            if runner is None or runner.failure is not None or runner.is_closed:
                 if self._closed:
                     raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
                 runner = EngineRunner(spec, self._on_done, lambda exc, refs, s=spec: self._on_fail(s, exc, refs))
@@ -106,8 +118,40 @@ class Host:
             self._jobs[job.job_id] = job
             self.peak_jobs = max(self.peak_jobs, len(self._jobs))
         batch: list[Request] = [(RowRef(job.job_id, i), p, sp) for i, (p, sp) in enumerate(requests)]
-        self.runner(spec).submit(batch)
+        self._call_runner(spec, lambda runner: runner.submit(batch))
         return job
+
+    def _call_runner(self, spec: EngineSpec, send: Callable[[EngineRunner], Future[T]]) -> Future[T]:
+        """send(runner) to this host's engine for `spec`; once more to a fresh engine when the
+        one it found was released in between (a refused call fails at once, before returning)."""
+        runner = self.runner(spec)
+        fut = send(runner)
+        if fut.done() and fut.exception() is not None and runner.is_closed and runner.failure is None:
+            fut = send(self.runner(spec))
+        return fut
+
+    def release_idle(self, model: str | None = None) -> int:
+        """Stop the engines (of `model`, an EngineSpec key, or all) that hold no coroutine and
+        serve no task here, freeing their memory; -> how many stopped. A later task or migrated
+        coroutine starts the engine again."""
+        with self._lock:
+            busy = {job.spec for job in self._jobs.values()}
+            candidates = [(spec, r) for spec, r in self._runners.items()
+                          if (model is None or spec.key == model) and spec not in busy]
+        stopped = 0
+        for spec, runner in candidates:
+            try:
+                idle = runner.failure is not None or runner.close_if_idle().result(timeout=60)
+            except Exception:  # noqa: BLE001 - it failed or closed meanwhile: gone either way
+                idle = True
+            if not idle:
+                continue
+            with self._lock:
+                if self._runners.get(spec) is runner:
+                    del self._runners[spec]
+            runner.close()
+            stopped += 1
+        return stopped
 
     def close_job(self, job: PartitionJob) -> None:
         """Forget the job; any of its coroutines still here (duplicates, a failed job) are dropped."""
@@ -117,8 +161,21 @@ class Host:
             last = self._closed and not self._jobs
         if runner is not None and runner.failure is None:
             runner.cancel(lambda ref: ref.is_local and ref.job_id == job.job_id)
+        self._cancel_remote(job)
         if last:
             self._close_runners()
+
+    def _cancel_remote(self, job: PartitionJob) -> None:
+        """Tell the holders of a closed job's unfinished moved rows to drop them (a failed task:
+        Dask reruns it, and those coroutines would only compute rows nobody waits for)."""
+        if self.transport is None:
+            return
+        by_holder: dict[str, list[int]] = defaultdict(list)
+        for row, holder in job.holders().items():
+            by_holder[holder].append(row)
+        for holder, rows in by_holder.items():
+            self.transport.send(holder, "batchgen_cancel", {"owner": self.transport.address, "job_id": job.job_id,
+                                                            "rows": rows})
 
     def _on_done(self, done: list[tuple[RowRef, RequestOutput]]) -> None:
         remote: dict[str, dict[str, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
@@ -161,25 +218,81 @@ class Host:
         runner = self.runner_for_key(order.model)
         if runner is None or self.transport is None:
             return
-        fut = runner.move_out(list(order.seq_ids), match=lambda ref: ref.is_local)
-        fut.add_done_callback(lambda f: self._send_moved(order, runner.spec, f.result()) if not f.exception() else None)
+        fut = runner.move_out(list(order.seq_ids))
+        fut.add_done_callback(lambda f: self._moved_out(order, runner.spec, f.result()) if not f.exception() else None)
 
-    def _send_moved(self, order: Migration, spec: EngineSpec, items: list[tuple[RowRef, int, bytes]]) -> None:
+    def _moved_out(self, order: Migration, spec: EngineSpec, items: list[tuple[RowRef, int, bytes]]) -> None:
+        """Own rows go straight to `order.dst`; rows held for others go to their owners to forward."""
+        self._send_moved(order.dst, spec, [item for item in items if item[0].is_local])
+        foreign = [item for item in items if not item[0].is_local]
+        if foreign:
+            self._forward(order.dst, spec, foreign)
+
+    def _send_moved(self, dst: str, spec: EngineSpec, items: list[tuple[RowRef, int, bytes]]) -> None:
         sent: list[list[Any]] = []
         for ref, num_output, state in items:
             with self._lock:
                 job = self._jobs.get(ref.job_id)
             if job is None or job.is_done:
                 continue
-            job.moved(ref.row, order.dst, state, num_output)
+            job.moved(ref.row, dst, state, num_output)
             sent.append([ref.job_id, ref.row, state])
         if not sent or self.transport is None:
             return
         with self._lock:
             self.counters.migrated_out += len(sent)
         msg = {"owner": self.transport.address, "spec": spec.to_msg(), "items": sent}
-        self.transport.send(order.dst, "batchgen_adopt", msg,
-                            on_error=lambda exc: self._take_back_rows(order.dst, sent, exc))
+        self.transport.send(dst, "batchgen_adopt", msg, on_error=lambda exc: self._take_back_rows(dst, sent, exc))
+
+    def _forward(self, dst: str, spec: EngineSpec, items: list[tuple[RowRef, int, bytes]]) -> None:
+        if self.transport is None:
+            return
+        by_owner: dict[str, dict[str, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
+        for ref, num_output, state in items:
+            by_owner[ref.owner][ref.job_id].append([ref.row, num_output, state])  # type: ignore[index]
+        with self._lock:
+            self.counters.forwarded += len(items)
+        for owner, jobs in by_owner.items():
+            back = [(job_id, row, state) for job_id, rows in jobs.items() for row, _, state in rows]
+            # Undelivered, the owner still thinks the rows are here: keep running them (an owner
+            # that has really left is noticed by `drop_orphans`, which then drops them).
+            self.transport.send(owner, "batchgen_forward", {"holder": self.transport.address, "dst": dst,
+                                                            "spec": spec.to_msg(), "jobs": dict(jobs)},
+                                on_error=lambda exc, o=owner, b=back: self.adopt(o, spec, b))
+
+    def receive_forward(self, holder: str, dst: str, spec: EngineSpec, jobs: dict[str, list[list[Any]]]) -> None:
+        """The holder of some of this host's rows passed them back, to go on to `dst` (or to be
+        resumed here when `dst` is this worker). Rows this host no longer thinks `holder` holds
+        (already recovered here, or finished) are dropped: they run, or ran, elsewhere."""
+        for job_id, items in jobs.items():
+            with self._lock:
+                job = self._jobs.get(job_id)
+            if job is None or job.is_done:
+                continue
+            held = job.holders()
+            mine = [(int(row), int(n), state) for row, n, state in items if held.get(int(row)) == holder]
+            if not mine:
+                continue
+            if dst == self.address:
+                job.take_back(rows=[row for row, _, _ in mine])
+                self._resume_states(job, [(row, state) for row, _, state in mine])
+                continue
+            self._send_moved(dst, spec, [(RowRef(job_id, row), n, state) for row, n, state in mine])
+
+    def receive_cancel(self, owner: str, job_id: str, rows: list[int]) -> None:
+        """The task owning `job_id` on `owner` ended: drop its coroutines held here."""
+        with self._lock:
+            self._cancelled[(owner, job_id)] = None
+            while len(self._cancelled) > _CANCELLED_KEPT:
+                del self._cancelled[next(iter(self._cancelled))]
+            runners = [r for r in self._runners.values() if r.failure is None]
+        for runner in runners:
+            fut = runner.cancel(lambda ref: ref.owner == owner and ref.job_id == job_id)
+            fut.add_done_callback(lambda f: self._count_cancelled(f.result()) if not f.exception() else None)
+
+    def _count_cancelled(self, n: int) -> None:
+        with self._lock:
+            self.counters.cancelled += n
 
     def _take_back_rows(self, holder: str, sent: list[list[Any]], exc: BaseException) -> None:
         logger.warning("migration to %s failed (%s); resuming %d rows here", holder, exc, len(sent))
@@ -224,11 +337,11 @@ class Host:
 
     def _resume_states(self, job: PartitionJob, states: list[tuple[int, bytes]]) -> None:
         try:
-            runner = self.runner(job.spec)
+            fut = self._call_runner(job.spec, lambda runner: runner.adopt(
+                [(RowRef(job.job_id, row), state) for row, state in states]))
         except BatchgenError as exc:
             job.fail(exc)
             return
-        fut = runner.adopt([(RowRef(job.job_id, row), state) for row, state in states])
 
         def check(f: Any) -> None:
             exc = f.exception()
@@ -241,7 +354,11 @@ class Host:
 
     # -- migration: holder side (called by the RPC handlers) --------------------------------------
     def adopt(self, owner: str, spec: EngineSpec, items: list[tuple[str, int, bytes]]) -> None:
+        with self._lock:
+            items = [item for item in items if (owner, item[0]) not in self._cancelled]
         refs = [(RowRef(job_id, row, owner), state) for job_id, row, state in items]
+        if not refs:
+            return
         with self._lock:
             closed = self._closed
             if not closed:
@@ -249,7 +366,7 @@ class Host:
         try:
             if closed:
                 raise BatchgenError("closed")
-            fut = self.runner(spec).adopt(refs)
+            fut = self._call_runner(spec, lambda runner: runner.adopt(refs))
         except BatchgenError:
             self._bounce(owner, [ref for ref, _ in refs])
             return

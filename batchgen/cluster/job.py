@@ -74,6 +74,11 @@ class PartitionJob:
             remote.state, remote.num_output = state, num_output
             return True
 
+    def holders(self) -> dict[int, str]:
+        """Moved rows without a result -> the worker holding them."""
+        with self._lock:
+            return {row: r.holder for row, r in self._remote.items()}
+
     def kept(self) -> dict[int, int]:
         """Moved rows -> output tokens of the state kept for them."""
         with self._lock:

@@ -73,15 +73,17 @@ class BalancePlugin(SchedulerPlugin):
         if scheduler is None:
             return
         self.scheduler = None
-        for name in SCHEDULER_HANDLERS:
-            handler = scheduler.handlers.get(name)
-            if handler is not None and getattr(handler, "__self__", None) is self:
-                del scheduler.handlers[name]
+        # Workers first: their load pushes stop before the handler they call goes away (the other
+        # order makes the scheduler log a "No handler batchgen_load" error per push in between).
         if WORKER_PLUGIN in scheduler.worker_plugins:
             try:
                 await scheduler.unregister_worker_plugin(None, WORKER_PLUGIN)
             except Exception as exc:  # noqa: BLE001 - scheduler shutting down: workers go too
                 logger.debug("unregistering %s failed: %s", WORKER_PLUGIN, exc)
+        for name in SCHEDULER_HANDLERS:
+            handler = scheduler.handlers.get(name)
+            if handler is not None and getattr(handler, "__self__", None) is self:
+                del scheduler.handlers[name]
 
     def add_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         self.epoch += 1

@@ -118,6 +118,21 @@ class EngineRunner:
     def cancel(self, match: Callable[[RowRef], bool]) -> Future[int]:
         return self.call(lambda engine: len(self._suspend(engine, None, match, False)))
 
+    def close_if_idle(self) -> Future[bool]:
+        """Stop the engine if it holds no coroutine: -> True when it stopped. Decided on the loop
+        thread, so nothing can slip in between the check and the stop (later calls are refused)."""
+        def stop(engine: Engine) -> bool:
+            if engine.has_unfinished() or self._tickets:
+                return False
+            with self._gate:
+                self._closed.set()
+            return True
+        return self.call(stop)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed.is_set()
+
     @property
     def load(self) -> RunnerLoad:
         return self._load
@@ -145,18 +160,23 @@ class EngineRunner:
                     return
                 self._finish(engine, finished)
             self._snapshot(engine)
-        self._drain(engine, block=False)
+        self._refuse_pending(RuntimeError("engine runner is closed"))
+
+    def _refuse_pending(self, exc: BaseException) -> None:
+        """Fail the commands queued before the close: callers take their rows elsewhere (a
+        coroutine resumed into an engine that never steps again would be lost)."""
+        while True:
+            try:
+                _, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            fut.set_exception(exc)
 
     def _fail(self, exc: BaseException) -> None:
         logger.exception("batchgen engine %s failed", self.spec.key, exc_info=exc)
         with self._gate:
             self.failure = exc
-        while True:
-            try:
-                _, fut = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            fut.set_exception(exc)
+        self._refuse_pending(exc)
         refs, self._tickets = list(self._tickets.values()), {}
         self._on_fail(exc, refs)
 
@@ -262,10 +282,9 @@ class EngineRunner:
             rate = (generated - self._last_tokens) / (now - self._last_t)
             self._tps = rate if self._tps == 0 else 0.5 * self._tps + 0.5 * rate
             self._last_t, self._last_tokens = now, generated
-        movable = []
+        movable = []  # own coroutines and those held for others (which re-migrate via their owner)
         for seq_id, remaining in load["remaining_by_seq"].items():
-            ref = self._tickets.get(seq_id)
-            if ref is not None and ref.is_local:
+            if seq_id in self._tickets:
                 movable.append(CoroutineInfo(int(seq_id), int(remaining), engine.get(seq_id).num_computed))
         # not-started ones first (free to move), then most remaining
         movable.sort(key=lambda c: (c.is_started, -c.remaining))

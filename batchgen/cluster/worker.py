@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 EXTENSION = "batchgen"
 WORKER_PLUGIN = "batchgen-worker"
-HANDLERS = ("batchgen_adopt", "batchgen_result", "batchgen_bounce", "batchgen_progress")
+HANDLERS = ("batchgen_adopt", "batchgen_result", "batchgen_bounce", "batchgen_progress", "batchgen_forward",
+            "batchgen_cancel")
 _create_lock = threading.Lock()
 
 
@@ -81,7 +82,8 @@ class WorkerSide:
 
     def install(self) -> None:
         self.worker.handlers.update({"batchgen_adopt": self.adopt, "batchgen_result": self.result,
-                                     "batchgen_bounce": self.bounce, "batchgen_progress": self.progress})
+                                     "batchgen_bounce": self.bounce, "batchgen_progress": self.progress,
+                                     "batchgen_forward": self.forward, "batchgen_cancel": self.cancel})
         self.worker.extensions[EXTENSION] = self
 
     # -- RPC handlers -----------------------------------------------------------------------------
@@ -106,6 +108,17 @@ class WorkerSide:
         KV-less state bytes]]}; kept in place of older ones, for recovery if the holder leaves."""
         self.host.receive_progress(holder, {j: [[int(r), int(n), bytes(s)] for r, n, s in items]
                                             for j, items in jobs.items()})
+
+    def forward(self, holder: str, dst: str, spec: dict[str, Any], jobs: dict[str, list[list[Any]]]) -> None:
+        """Rows of this worker's tasks that `holder` was ordered to pass on to `dst`:
+        {job_id: [[row, output tokens, state bytes]]}; this worker records `dst` as their holder
+        and sends them there (or resumes them itself when it is `dst`)."""
+        self.host.receive_forward(holder, dst, EngineSpec.from_msg(spec),
+                                  {j: [[int(r), int(n), bytes(s)] for r, n, s in items] for j, items in jobs.items()})
+
+    def cancel(self, owner: str, job_id: str, rows: list[int]) -> None:
+        """The task of `owner` that owned `job_id` ended: drop its coroutines held here."""
+        self.host.receive_cancel(owner, str(job_id), [int(r) for r in rows])
 
     # -- talking to the scheduler plugin ----------------------------------------------------------
     def start_pushing(self, interval: float) -> None:
@@ -165,6 +178,12 @@ def ensure_side(worker: Worker) -> WorkerSide:
             side = WorkerSide(worker)
             side.install()
         return side
+
+
+def release_engines(dask_worker: Worker, model: str | None = None) -> int:
+    """`Client.run` target: stop this worker's idle engines (of `model`, an EngineSpec key)."""
+    side = dask_worker.extensions.get(EXTENSION)
+    return side.host.release_idle(model) if side is not None else 0
 
 
 @functools.cache
