@@ -12,11 +12,12 @@ M = "model"
 
 
 def load(worker: str, coroutines: list[tuple[int, int, int]], *, ready: bool = True, kv_used: float = 0.0,
-         model: str = M) -> EngineLoad:
+         model: str = M, speed: float = 0.0) -> EngineLoad:
     """coroutines: (seq_id, remaining, num_computed)."""
     infos = tuple(CoroutineInfo(s, r, c) for s, r, c in coroutines)
     return EngineLoad(worker, model, ready, sum(c == 0 for _, _, c in coroutines),
-                      sum(c > 0 for _, _, c in coroutines), sum(r for _, r, _ in coroutines), kv_used, 0.0, infos)
+                      sum(c > 0 for _, _, c in coroutines), sum(r for _, r, _ in coroutines), kv_used, 0.0, infos,
+                      speed)
 
 
 def moved_tokens(orders: list[Migration]) -> int:
@@ -132,3 +133,31 @@ def test_bad_config_is_named() -> None:
         BalanceConfig(imbalance_ratio=0.5)
     with pytest.raises(ValueError, match="max_kv_used"):
         BalanceConfig(max_kv_used=2.0)
+
+
+def test_a_faster_engine_gets_its_share_of_the_work() -> None:
+    work = [(i, 10, 0) for i in range(100)]  # 1000 tokens, none started
+    [order] = plan_migrations([load("slow", work, speed=100.0), load("fast", [], speed=300.0)])
+    assert (order.src, order.dst) == ("slow", "fast")
+    assert order.tokens == 750  # both then finish in 2.5 s: 250 / 100 == 750 / 300
+
+
+def test_equal_work_moves_from_the_slower_engine() -> None:
+    slow = load("a", [(i, 10, 0) for i in range(40)], speed=100.0)
+    fast = load("b", [(100 + i, 10, 0) for i in range(40)], speed=400.0)
+    [order] = plan_migrations([slow, fast])
+    assert (order.src, order.dst) == ("a", "b") and order.tokens == 240  # then 160 / 100 == 640 / 400
+    unmeasured = load("b", [(100 + i, 10, 0) for i in range(40)])  # one speed known: nothing to compare
+    assert plan_migrations([slow, unmeasured]) == []
+
+
+def test_speeds_within_tolerance_count_as_equal() -> None:
+    a = load("a", [(i, 100, 40) for i in range(6)], speed=100.0)
+    b = load("b", [], speed=120.0)  # measured on other rows: not a faster device
+    [order] = plan_migrations([a, b])
+    assert order.tokens == 300
+    unmeasured = load("c", [])
+    assert plan_migrations([a, unmeasured]) == plan_migrations([load("a", [(i, 100, 40) for i in range(6)]),
+                                                                load("c", [])])
+    with pytest.raises(ValueError, match="speed_tolerance"):
+        BalanceConfig(speed_tolerance=0.5)

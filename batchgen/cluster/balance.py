@@ -12,9 +12,11 @@ same function can drive a simulator. One concept covers the three runtime moves 
            coroutine, and so keeps small batches together instead of spreading them thin.
 
 Work is measured in tokens still to generate (the engine's upper bound, max_tokens minus those
-done): on a compute-bound device each token costs about the same, so equal remaining tokens is
-equal finishing time. A running coroutine that moves without its KV costs `recompute_weight`
-decode-token units per token to recompute.
+done), divided by each engine's measured speed relative to the others: finishing time. Engines
+whose speeds lie within `speed_tolerance` of each other count as equally fast (a speed measured
+on a different mix of rows is noise, not a slower device); an engine not yet measured counts as
+average. A running coroutine that moves without its KV costs `recompute_weight` decode-token
+units per token to recompute.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class EngineLoad:
     kv_used: float = 0.0
     tokens_per_s: float = 0.0
     movable: tuple[CoroutineInfo, ...] = ()
+    speed: float = 0.0  # generated tokens/s it can sustain (peak measured); 0: not measured yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,8 @@ class BalanceConfig:
     # While tasks are still waiting to start, new partitions will land on idle workers anyway:
     # only not-started coroutines move then, running ones wait for the tail.
     tail_only: bool = True
+    # Engines whose measured speeds differ by less than this factor are treated as equal.
+    speed_tolerance: float = 1.3
 
     def __post_init__(self) -> None:
         if self.imbalance_ratio < 1.0:
@@ -76,6 +81,8 @@ class BalanceConfig:
                 raise ValueError(f"BalanceConfig.{name} must be an integer >= 0, got {value!r}")
         if not 0.0 <= self.max_kv_used <= 1.0:
             raise ValueError(f"BalanceConfig.max_kv_used must be in [0, 1], got {self.max_kv_used!r}")
+        if self.speed_tolerance < 1.0:
+            raise ValueError(f"BalanceConfig.speed_tolerance must be >= 1, got {self.speed_tolerance!r}")
         if self.recompute_weight < 0:
             raise ValueError(f"BalanceConfig.recompute_weight must be >= 0, got {self.recompute_weight!r}")
 
@@ -99,8 +106,19 @@ class Migration:
 @dataclass(slots=True)
 class _Node:
     load: EngineLoad
-    work: float
+    work: float  # remaining tokens / relative speed: tokens at the average engine's pace
+    speed: float = 1.0  # relative to the average engine of this model
     taken: set[int] = field(default_factory=set)
+
+
+def relative_speeds(loads: list[EngineLoad], tolerance: float) -> list[float]:
+    """Each engine's speed relative to the mean of the measured ones; 1.0 for the unmeasured,
+    and for all when the measured ones are within `tolerance` of each other."""
+    measured = [load.speed for load in loads if load.speed > 0]
+    if len(measured) < 2 or max(measured) < tolerance * min(measured):
+        return [1.0] * len(loads)
+    mean = sum(measured) / len(measured)
+    return [min(10.0, max(0.1, load.speed / mean)) if load.speed > 0 else 1.0 for load in loads]
 
 
 def plan_migrations(loads: Iterable[EngineLoad], config: BalanceConfig | None = None, *,
@@ -128,7 +146,9 @@ def plan_migrations(loads: Iterable[EngineLoad], config: BalanceConfig | None = 
 
 
 def _plan_model(loads: list[EngineLoad], config: BalanceConfig, budget: int) -> list[Migration]:
-    nodes = [_Node(load, float(load.remaining_tokens)) for load in sorted(loads, key=lambda x: x.worker)]
+    loads = sorted(loads, key=lambda x: x.worker)
+    nodes = [_Node(load, load.remaining_tokens / speed, speed)
+             for load, speed in zip(loads, relative_speeds(loads, config.speed_tolerance))]
     orders: list[Migration] = []
     exhausted: set[str] = set()  # sources with nothing worth moving left
     while len(orders) < budget:
@@ -140,13 +160,16 @@ def _plan_model(loads: list[EngineLoad], config: BalanceConfig, budget: int) -> 
         if dst is None or not _worth_moving(src.work, dst.work, config):
             exhausted.add(src.load.worker)
             continue
-        picked, tokens, cost = _pick(src, (src.work - dst.work) / 2, config)
+        # x tokens move so that both finish together: (Ws - x) / vs = (Wd + x) / vd, in raw tokens
+        # W = work * v, so x = vs * vd * (work_s - work_d) / (vs + vd): half the gap at equal speeds
+        target = src.speed * dst.speed * (src.work - dst.work) / (src.speed + dst.speed)
+        picked, tokens, cost = _pick(src, target, config)
         if tokens < config.min_move_tokens or not picked:
             exhausted.add(src.load.worker)
             continue
         src.taken.update(c.seq_id for c in picked)
-        src.work -= tokens
-        dst.work += tokens + cost
+        src.work -= tokens / src.speed
+        dst.work += (tokens + cost) / dst.speed
         reason = "migrate" if any(c.is_started for c in picked) else "split"
         orders.append(Migration(src.load.worker, dst.load.worker, src.load.model,
                                 tuple(c.seq_id for c in picked), tokens, reason))

@@ -438,7 +438,7 @@ class Host:
             engines[key] = {
                 "ready": load.ready, "waiting": load.waiting, "running": load.running,
                 "kv_used": load.kv_used, "remaining_tokens": load.remaining_tokens,
-                "tokens_per_s": load.tokens_per_s, "generated_tokens": load.generated_tokens,
+                "tokens_per_s": load.tokens_per_s, "generated_tokens": load.generated_tokens, "speed": load.speed,
                 "movable": [[c.seq_id, c.remaining, c.num_computed] for c in load.movable],
             }
         with self._lock:

@@ -126,6 +126,7 @@ class BalancePlugin(SchedulerPlugin):
                 "remaining_tokens": sum(e["remaining_tokens"] for e in engines.values()),
                 "kv_used": max((e["kv_used"] for e in engines.values()), default=0.0),
                 "tokens_per_s": sum(e["tokens_per_s"] for e in engines.values()),
+                "speed": sum(e.get("speed", 0.0) for e in engines.values()),
                 "jobs": view.report.get("jobs", 0),
                 "peak_jobs": view.report.get("peak_jobs", 0),
                 "age_s": time.monotonic() - view.received,
@@ -166,7 +167,8 @@ class BalancePlugin(SchedulerPlugin):
                 loads.append(EngineLoad(
                     worker, model, bool(e["ready"]), int(e["waiting"]), int(e["running"]),
                     int(e["remaining_tokens"]), float(e["kv_used"]), float(e["tokens_per_s"]),
-                    tuple(CoroutineInfo(int(s), int(r), int(c)) for s, r, c in e["movable"])))
+                    tuple(CoroutineInfo(int(s), int(r), int(c)) for s, r, c in e["movable"]),
+                    float(e.get("speed", 0.0))))
         return loads
 
     def _record(self, order: Migration, now: float) -> None:

@@ -34,6 +34,7 @@ T = TypeVar("T")
 # Most movable coroutines one load report lists (the policy needs candidates, not all of them).
 MAX_REPORTED = 256
 _SNAPSHOT_EVERY_S = 0.1
+_SPEED_DECAY = 0.99  # per one-second rate sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class RunnerLoad:
     tokens_per_s: float = 0.0
     generated_tokens: int = 0
     movable: tuple[CoroutineInfo, ...] = ()
+    speed: float = 0.0  # peak smoothed tokens/s, slowly forgotten: what this engine can sustain
 
 
 Done = Callable[[list[tuple[RowRef, RequestOutput]]], None]
@@ -79,6 +81,7 @@ class EngineRunner:
         self._gate = threading.Lock()  # a command is either queued before close / failure, or refused
         self.failure: BaseException | None = None
         self._tps, self._last_t, self._last_tokens, self._last_snap = 0.0, time.monotonic(), 0, 0.0
+        self._speed = 0.0
         self._thread = threading.Thread(target=self._run, name=f"batchgen-engine:{spec.model}", daemon=True)
         self._thread.start()
 
@@ -281,6 +284,9 @@ class EngineRunner:
         if now - self._last_t >= 1.0:
             rate = (generated - self._last_tokens) / (now - self._last_t)
             self._tps = rate if self._tps == 0 else 0.5 * self._tps + 0.5 * rate
+            # a peak, not the current rate: an engine short of rows is not a slow engine; the decay
+            # (half-life ~70 s) follows a device that got slower, e.g. shared with another job
+            self._speed = max(self._tps, _SPEED_DECAY * self._speed)
             self._last_t, self._last_tokens = now, generated
         movable = []  # own coroutines and those held for others (which re-migrate via their owner)
         for seq_id, remaining in load["remaining_by_seq"].items():
@@ -290,4 +296,4 @@ class EngineRunner:
         movable.sort(key=lambda c: (c.is_started, -c.remaining))
         self._load = RunnerLoad(True, load["waiting"], load["running"], float(load["kv_used_fraction"]),
                                 int(load["remaining_tokens"]), self._tps, generated,
-                                tuple(movable[:MAX_REPORTED]))
+                                tuple(movable[:MAX_REPORTED]), self._speed)
