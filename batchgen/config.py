@@ -35,6 +35,10 @@ class EngineConfig:
     # migrate: a coroutine's KV travels when sending it beats recomputing it at this link speed
     kv_link_bytes_per_s: int = 1_000_000_000
     seed: int = 0  # draws the seeds of requests that set none
+    # Device bytes for routed-expert weights. None: every expert resident. Less than the experts
+    # need: they stay in host memory and stream through a pool this size (at least one MoE
+    # layer's experts), least recently used out first (models/offload.py).
+    expert_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
@@ -45,7 +49,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "attention_kv_tokens"):
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "attention_kv_tokens", "expert_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer or None, got {value!r}")

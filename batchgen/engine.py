@@ -41,7 +41,7 @@ class Engine:
         """dtype/device None: dask.config `batchgen.dtype`/`batchgen.device`, else float32 / auto."""
         self.config = EngineConfig.from_kwargs(dtype=dtype, device=device, **config_overrides)
         path = Path(model).expanduser()
-        self.model = Model.load(path, self.config.dtype, self.config.device)
+        self.model = Model.load(path, self.config.dtype, self.config.device, self.config.expert_memory_bytes)
         info = ModelInfo.for_spec(path, self.model.spec, self.config.max_model_len)
         self.model_dir, self.tokenizer, self.eos_token_ids = path, info.tokenizer, info.eos_token_ids
         self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len
@@ -338,4 +338,9 @@ class Engine:
         }
 
     def stats_summary(self) -> dict[str, float]:
-        return self.stats.summary()
+        summary = self.stats.summary()
+        if self.model.experts is not None:  # experts spilled to host memory
+            cache = self.model.experts.stats
+            summary.update(expert_hits=cache.hits, expert_loads=cache.loads, expert_bytes_loaded=cache.bytes_loaded,
+                           expert_pool_slots=self.model.experts.slots)
+        return summary

@@ -166,10 +166,10 @@ def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: t
             layers.append(LayerWeights(src.get(f"{p}.input_layernorm.weight", dtype),
                                        src.get(f"{p}.post_attention_layernorm.weight", dtype), attn, ffn))
         weights = ModelWeights(embed=embed, norm=src.get("model.norm.weight", dtype), lm_head=lm_head, layers=layers)
-    return _to_device(weights, device) if device.type != "cpu" else weights
+    return to_device(weights, device) if device.type != "cpu" else weights
 
 
-def _to_device(obj: Any, device: torch.device, moved: dict[int, torch.Tensor] | None = None) -> Any:
+def to_device(obj: Any, device: torch.device, moved: dict[int, torch.Tensor] | None = None) -> Any:
     """Move every tensor once: a tensor shared by two fields (tied embeddings) stays shared."""
     moved = {} if moved is None else moved
     if isinstance(obj, torch.Tensor):
@@ -177,10 +177,10 @@ def _to_device(obj: Any, device: torch.device, moved: dict[int, torch.Tensor] | 
             moved[id(obj)] = obj.to(device)
         return moved[id(obj)]
     if isinstance(obj, list):
-        return [_to_device(x, device, moved) for x in obj]
+        return [to_device(x, device, moved) for x in obj]
     if hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
-            setattr(obj, name, _to_device(getattr(obj, name), device, moved))
+            setattr(obj, name, to_device(getattr(obj, name), device, moved))
     return obj
 
 

@@ -17,32 +17,47 @@ import torch.nn.functional as F
 from ..errors import ModelLoadError
 from .attention import AttentionBatch, gqa_attention
 from .layers import mlp, rms_norm
-from .loader import load_spec, load_weights, resolve_dtype
+from .loader import load_spec, load_weights, resolve_dtype, to_device
 from .mla import mla_attention
 from .moe import moe
+from .offload import ExpertCache, plan_offload
 from .rope import RotaryEmbedding
 from .spec import GQASpec, MoESpec, ModelSpec
-from .weights import MLPWeights, ModelWeights
+from .weights import MLPWeights, ModelWeights, MoEWeights
 
 
 class Model:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
-                 config: dict) -> None:
+                 config: dict, experts: ExpertCache | None = None) -> None:
         self.spec, self.weights, self.device, self.dtype, self.config = spec, weights, device, dtype, config
+        self.experts = experts  # routed experts spilled to host memory; None: all resident
         self.rotary = RotaryEmbedding(spec.rope, spec.max_position_embeddings, device)
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
-             device: str | torch.device | None = None) -> "Model":
+             device: str | torch.device | None = None, expert_memory_bytes: int | None = None) -> "Model":
+        """expert_memory_bytes: device bytes for routed experts; below what they need, they stay
+        in host memory and stream through a pool of that size (models/offload.py)."""
         path = Path(model_dir).expanduser()
         cfg, spec = load_spec(path)
         torch_dtype = resolve_dtype(dtype, cfg)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        host = torch.device("cpu")
         try:
-            weights = load_weights(path, spec, torch_dtype, dev)
+            weights = load_weights(path, spec, torch_dtype, host if expert_memory_bytes is not None else dev)
         except RuntimeError as exc:  # shape mismatches surface as torch errors
             raise ModelLoadError(f"weights in {str(path)!r} do not match config.json: {exc}") from exc
-        return cls(spec, weights, dev, torch_dtype, cfg)
+        experts = None
+        if expert_memory_bytes is not None:
+            moe_layers = {i: lw.ffn for i, lw in enumerate(weights.layers) if isinstance(lw.ffn, MoEWeights)}
+            experts = plan_offload({i: (f.w13, f.w2) for i, f in moe_layers.items()},  # type: ignore[misc]
+                                   expert_memory_bytes, dev)
+            if experts is not None:
+                for f in moe_layers.values():
+                    f.w13 = f.w2 = None  # the cache's host copies are the only ones now
+            if dev.type != "cpu":
+                weights = to_device(weights, dev)
+        return cls(spec, weights, dev, torch_dtype, cfg, experts)
 
     @property
     def num_layers(self) -> int:
@@ -69,7 +84,9 @@ class Model:
         w, spec = self.weights.layers[layer], self.spec.layers[layer].ffn
         x = rms_norm(hidden, w.post_norm, self.spec.rms_norm_eps)
         if isinstance(spec, MoESpec):
-            return hidden + moe(x, w.ffn, spec, on_route)  # type: ignore[arg-type]
+            cache = self.experts
+            fetch = (lambda ids: cache.fetch(layer, ids)) if cache is not None else None
+            return hidden + moe(x, w.ffn, spec, on_route, fetch)  # type: ignore[arg-type]
         assert isinstance(w.ffn, MLPWeights)
         return hidden + mlp(x, w.ffn)
 

@@ -44,17 +44,27 @@ def route(x: torch.Tensor, router_w: torch.Tensor, r: RouterSpec,
     return weights, ids
 
 
+ExpertFetch = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 def moe(x: torch.Tensor, w: MoEWeights, spec: MoESpec,
-        on_route: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        on_route: Callable[[torch.Tensor], None] | None = None, fetch: ExpertFetch | None = None) -> torch.Tensor:
     """x: [T, H] (already normed) -> [T, H]: routed experts plus the shared expert, if any.
 
     on_route receives topk_ids [T, A] (the runtime counts tokens per expert call with it).
+    fetch: for experts spilled to host memory, topk_ids -> (w13, w2, ids) of a device pool
+    holding every expert those ids need (ExpertCache.fetch).
     """
     weights, ids = route(x, w.router, spec.router, w.correction_bias)
     if on_route is not None:
         on_route(ids)
+    if fetch is not None:
+        w13, w2, ids = fetch(ids)
+    else:
+        assert w.w13 is not None and w.w2 is not None
+        w13, w2 = w.w13, w.w2
     experts = fused_moe if x.is_cuda and triton_available() else fused_moe_reference
-    out = experts(x, w.w13, w.w2, weights.to(x.dtype), ids)
+    out = experts(x, w13, w2, weights.to(x.dtype), ids)
     if w.shared is not None:
         shared = mlp(x, w.shared)
         if w.shared_gate is not None:

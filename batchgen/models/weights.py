@@ -19,8 +19,8 @@ class MLPWeights:
 @dataclass(slots=True)
 class MoEWeights:
     router: Tensor  # [E, H] (kept fp32, as transformers routes in fp32)
-    w13: Tensor  # [E, 2N, H]: gate rows then up rows of each expert
-    w2: Tensor  # [E, H, N]
+    w13: Tensor | None  # [E, 2N, H]: gate rows then up rows of each expert; None: in the ExpertCache
+    w2: Tensor | None  # [E, H, N]
     correction_bias: Tensor | None = None  # [E] deepseek_v3
     shared: MLPWeights | None = None
     shared_gate: Tensor | None = None  # [1, H] qwen2_moe
