@@ -4,8 +4,9 @@ Shape legend: T new tokens in the batch, S sequences, Q new tokens of one sequen
 length (padded to the longest in a group), Hq query heads, Hk key/value heads, D head dim,
 W cached floats per token (K and V for GQA, the latent for MLA).
 
-Decoding sequences (one new token each) attend as one padded batch; prefill chunks attend one
-sequence at a time, so prompts of very different lengths never pad each other.
+Decoding sequences (one new token each) attend in padded batches of similar context length;
+prefill chunks attend one sequence at a time, so prompts of very different lengths never pad
+each other.
 """
 from __future__ import annotations
 
@@ -33,14 +34,21 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decoding sequences of similar context length, attended as one padded batch."""
+
+    rows: torch.Tensor  # [Sg] rows of their single new tokens in the flat batch
+    gather: torch.Tensor  # [Sg, L] cache slots of their contexts (padding -> slot 0)
+    positions: torch.Tensor  # [Sg]
+
+
+@dataclass(slots=True)
 class AttentionBatch:
     """Where every token of a flat batch sits in the paged cache; built once per forward."""
 
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] cache slot that receives each new token's KV
-    decode_rows: torch.Tensor  # [Sd] rows of the decoding sequences' single tokens
-    decode_gather: torch.Tensor  # [Sd, L] cache slots of their contexts (padding -> slot 0)
-    decode_positions: torch.Tensor  # [Sd]
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
     @property
@@ -53,31 +61,54 @@ class AttentionBatch:
         """items: per sequence (num_computed, num_new, block_ids); tokens laid out in that order."""
         positions: list[int] = []
         slots: list[int] = []
-        dec_rows: list[int] = []
-        dec_ctx: list[list[int]] = []
+        decodes: list[tuple[int, int, Sequence[int]]] = []  # (row, context length, block ids)
         prefills: list[tuple[int, int, list[int], list[int]]] = []
         for computed, new, blocks in items:
-            start = len(positions)
-            pos = list(range(computed, computed + new))
-            ctx_slots = [blocks[p // block_size] * block_size + p % block_size for p in range(computed + new)]
-            positions.extend(pos)
-            slots.extend(ctx_slots[computed:])
+            start, end = len(positions), computed + new
+            positions.extend(range(computed, end))
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(computed, end))
             if new == 1:
-                dec_rows.append(start)
-                dec_ctx.append(ctx_slots)
+                decodes.append((start, end, blocks))
             else:
-                prefills.append((start, new, ctx_slots, pos))
-        longest = max((len(c) for c in dec_ctx), default=0)
-        gather = [c + [0] * (longest - len(c)) for c in dec_ctx]
+                ctx = [blocks[p // block_size] * block_size + p % block_size for p in range(end)]
+                prefills.append((start, new, ctx, list(range(computed, end))))
 
         def t(x: object) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        return AttentionBatch(
-            positions=t(positions), slot_mapping=t(slots), decode_rows=t(dec_rows),
-            decode_gather=t(gather).reshape(len(gather), longest),
-            decode_positions=t([positions[r] for r in dec_rows]),
-            prefills=[PrefillChunk(s, n, t(c), t(p)) for s, n, c, p in prefills])
+        groups = [_decode_group(g, block_size, device) for g in _by_length(decodes)]
+        return AttentionBatch(positions=t(positions), slot_mapping=t(slots), decode_groups=groups,
+                              prefills=[PrefillChunk(s, n, t(c), t(p)) for s, n, c, p in prefills])
+
+
+# A decode group closes when the next context is this much longer than its shortest one, once it
+# has MIN_DECODE_GROUP sequences: padding stays under ~25% without many tiny attention calls.
+DECODE_GROUP_SPREAD = 1.25
+MIN_DECODE_GROUP = 16
+
+
+def _by_length(decodes: list[tuple[int, int, Sequence[int]]]) -> list[list[tuple[int, int, Sequence[int]]]]:
+    groups: list[list[tuple[int, int, Sequence[int]]]] = []
+    for item in sorted(decodes, key=lambda d: d[1]):
+        group = groups[-1] if groups else None
+        if group is None or (len(group) >= MIN_DECODE_GROUP and item[1] > DECODE_GROUP_SPREAD * group[0][1]):
+            groups.append([item])
+        else:
+            group.append(item)
+    return groups
+
+
+def _decode_group(group: list[tuple[int, int, Sequence[int]]], block_size: int, device: torch.device) -> DecodeGroup:
+    longest = group[-1][1]  # sorted by context length
+    num_blocks = -(-longest // block_size)
+    table = torch.tensor([list(blocks[:num_blocks]) + [0] * (num_blocks - min(len(blocks), num_blocks))
+                          for _, _, blocks in group], dtype=torch.long)  # [Sg, blocks]
+    offsets = torch.arange(longest)
+    gather = table[:, offsets // block_size] * block_size + offsets % block_size  # [Sg, L]
+    lengths = torch.tensor([n for _, n, _ in group])
+    gather = gather.masked_fill(offsets >= lengths.unsqueeze(1), 0)
+    return DecodeGroup(rows=torch.tensor([r for r, _, _ in group], device=device), gather=gather.to(device),
+                       positions=(lengths - 1).to(device))
 
 
 def _allowed(q_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
@@ -108,10 +139,10 @@ def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor,
                     scale: float, window: int | None, v_dim: int) -> torch.Tensor:
     """q: [T, Hq, Dk]; cache: [slots, W] already holding this batch's new KV -> [T, Hq, v_dim]."""
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
-    if batch.decode_rows.numel():
-        k, v = expand(cache[batch.decode_gather])  # [Sd, L, Hk, *]
-        allowed = _allowed(batch.decode_positions.unsqueeze(-1), k.shape[1], window)
-        out[batch.decode_rows] = _attend(q[batch.decode_rows].unsqueeze(1), k, v, allowed, scale).squeeze(1)
+    for group in batch.decode_groups:
+        k, v = expand(cache[group.gather])  # [Sg, L, Hk, *]
+        allowed = _allowed(group.positions.unsqueeze(-1), k.shape[1], window)
+        out[group.rows] = _attend(q[group.rows].unsqueeze(1), k, v, allowed, scale).squeeze(1)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         k, v = expand(cache[chunk.gather_slots].unsqueeze(0))

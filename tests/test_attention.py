@@ -1,0 +1,67 @@
+"""Decode attention in length groups: the same numbers as one padded batch and as plain softmax
+attention over each sequence's own context, with and without a sliding window."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from batchgen.models import attention
+from batchgen.models.attention import AttentionBatch, paged_attention
+
+BLOCK, HQ, HK, D = 4, 4, 2, 8
+
+
+def setup(lengths: list[int]) -> tuple[list[tuple[int, int, list[int]]], torch.Tensor, torch.Tensor]:
+    """One decoding token per sequence; blocks handed out in reverse so slots are not in order."""
+    items, next_block = [], 0
+    for n in lengths:
+        blocks = list(range(next_block, next_block + -(-n // BLOCK)))[::-1]
+        next_block += len(blocks)
+        items.append((n - 1, 1, blocks))
+    torch.manual_seed(0)
+    return items, torch.randn(next_block * BLOCK, 2 * HK * D), torch.randn(len(lengths), HQ, D)
+
+
+def expand(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = rows.split(HK * D, dim=-1)
+    return k.reshape(*k.shape[:-1], HK, D), v.reshape(*v.shape[:-1], HK, D)
+
+
+def naive(q: torch.Tensor, cache: torch.Tensor, items: list[tuple[int, int, list[int]]],
+          window: int | None) -> torch.Tensor:
+    out = []
+    for (computed, _, blocks), qi in zip(items, q):
+        slots = [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(computed + 1)]
+        if window is not None:
+            slots = slots[-window:]
+        k, v = expand(cache[slots])  # [L, HK, D]
+        k, v = k.repeat_interleave(HQ // HK, dim=1), v.repeat_interleave(HQ // HK, dim=1)
+        weights = torch.einsum("hd,lhd->hl", qi, k).div(math.sqrt(D)).softmax(-1)
+        out.append(torch.einsum("hl,lhd->hd", weights, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_length_groups_match_one_padded_batch_and_plain_attention(monkeypatch, window: int | None) -> None:
+    lengths = [3, 100, 5, 9, 17, 64, 30, 31, 65, 2] * 4
+    items, cache, q = setup(lengths)
+    grouped = AttentionBatch.build(items, BLOCK, torch.device("cpu"))
+    assert len(grouped.decode_groups) > 1
+    assert sorted(r for g in grouped.decode_groups for r in g.rows.tolist()) == list(range(len(lengths)))
+    out = paged_attention(q, grouped, cache, expand, 1 / math.sqrt(D), window, D)
+    monkeypatch.setattr(attention, "MIN_DECODE_GROUP", 10**6)
+    single = AttentionBatch.build(items, BLOCK, torch.device("cpu"))
+    assert len(single.decode_groups) == 1
+    torch.testing.assert_close(out, paged_attention(q, single, cache, expand, 1 / math.sqrt(D), window, D))
+    torch.testing.assert_close(out, naive(q, cache, items, window))
+
+
+def test_groups_bound_the_padding() -> None:
+    lengths = list(range(10, 400, 3))
+    items, _, _ = setup(lengths)
+    batch = AttentionBatch.build(items, BLOCK, torch.device("cpu"))
+    padded = sum(g.gather.shape[0] * g.gather.shape[1] for g in batch.decode_groups)
+    assert padded < 1.3 * sum(lengths)  # one padded batch would be ~2x
+    assert all(g.gather.shape[0] >= attention.MIN_DECODE_GROUP for g in batch.decode_groups[:-1])
