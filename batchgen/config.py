@@ -39,6 +39,9 @@ class EngineConfig:
     # need: they stay in host memory and stream through a pool this size (at least one MoE
     # layer's experts), least recently used out first (models/offload.py).
     expert_memory_bytes: int | None = None
+    # Where MALLOC_TRIM_THRESHOLD_ is set (Dask workers), raise glibc's mmap/trim thresholds for
+    # this process so activations reuse heap blocks instead of faulting in fresh pages (malloc.py).
+    restore_heap_reuse: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
