@@ -46,10 +46,15 @@ import batchgen.cluster as bc
 from batchgen.cluster.balance import BalanceConfig
 
 
-def make_rows(n: int, vocab: int, min_tokens: int, max_tokens: int, seed: int) -> pd.DataFrame:
+def make_rows(n: int, vocab: int, min_tokens: int, max_tokens: int, seed: int,
+              lengths: str = "uniform") -> pd.DataFrame:
+    """Rows sorted by output length. uniform: min..max tokens; lognormal: bench_engine's model of
+    output lengths (median ~27, a few rows ~10x that), clipped to min..max."""
     rng = random.Random(seed)
     prompts = [[1] + [rng.randrange(5, vocab) for _ in range(rng.randint(8, 32))] for _ in range(n)]
-    lengths = sorted(rng.randint(min_tokens, max_tokens) for _ in range(n))  # skew: long rows last
+    draw = (lambda: rng.randint(min_tokens, max_tokens)) if lengths == "uniform" else \
+        (lambda: max(min_tokens, min(max_tokens, int(rng.lognormvariate(3.3, 0.9)))))
+    lengths = sorted(draw() for _ in range(n))  # skew: long rows last
     return pd.DataFrame({"prompt": pd.Series(prompts, dtype=pd.ArrowDtype(pa.list_(pa.int64()))),
                          "max_tokens": lengths})
 
@@ -122,6 +127,8 @@ def main() -> None:
     ap.add_argument("--partitions", type=int, default=2, help="default: one per worker")
     ap.add_argument("--min-tokens", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--lengths", choices=["uniform", "lognormal"], default="uniform",
+                    help="output length model (lognormal: as bench_engine, clipped to --min/--max-tokens)")
     ap.add_argument("--chunk", type=int, default=16, help="rows per transformers generate call")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2, help="static / batchgen runs, alternated; best kept")
@@ -133,11 +140,11 @@ def main() -> None:
     model = args.model or str(build_demo_model(Path(tempfile.gettempdir()) / "batchgen-bench-demo", dtype="float32"))
     vocab = tokenizer_vocab_size(model)
     options: dict[str, Any] = {"dtype": "float32", "kv_cache_bytes": 256 << 20}
-    pdf = make_rows(args.rows, vocab, args.min_tokens, args.max_tokens, seed=0)
+    pdf = make_rows(args.rows, vocab, args.min_tokens, args.max_tokens, seed=0, lengths=args.lengths)
     tokens = int(pdf["max_tokens"].sum())
     cores = os.cpu_count() or 1
     env = {"OMP_NUM_THREADS": str(max(1, cores // args.workers))}
-    print(f"{args.rows} rows in {args.partitions} partitions sorted by length ({args.min_tokens}-{args.max_tokens} "
+    print(f"{args.rows} rows in {args.partitions} partitions sorted by {args.lengths} length ({args.min_tokens}-{args.max_tokens} "
           f"tokens, {tokens} in all), {args.workers} workers x 1 thread, {env['OMP_NUM_THREADS']} torch thread(s) each",
           file=sys.stderr)
 

@@ -17,8 +17,8 @@ The owner keeps each moved row's suspended state until its result arrives, repla
 holder's newer snapshots; when the holder leaves the cluster the owner resumes the row itself
 from the newest state it has (`recover`). A re-migration goes through the owner (two hops, not
 one) so that the owner always knows a row's holder before that holder has it: a direct
-holder-to-holder hand-off could die with the new holder before the owner heard of it. All sends go through a
-`Transport`; outside Dask there is none and nothing ever migrates.
+holder-to-holder hand-off could die with the new holder before the owner heard of it. All
+sends go through a `Transport`; outside Dask there is none and nothing ever migrates.
 """
 from __future__ import annotations
 
