@@ -133,7 +133,6 @@ def test_long_partitions_migrate_to_the_idle_worker(client: Client, ckpt: Path, 
     assert m["migrations"] > before
     assert m["workers"][busy]["migrated_out"] > 0 and m["workers"][idle]["migrated_in"] > 0
     assert m["workers"][idle]["returned"] > 0
-    assert m["workers"][busy]["speed"] > 0  # measured, and reported to the plugin for balancing
 
 
 def test_worker_killed_mid_job_loses_and_duplicates_nothing(client: Client, ckpt: Path, reference: Any) -> None:

@@ -18,6 +18,7 @@ from batchgen import Engine, SamplingParams
 from batchgen.cluster.balance import Migration
 from batchgen.cluster.host import Host
 from batchgen.cluster.job import PartitionJob
+from batchgen.cluster.runner import EngineRunner, RowRef
 from batchgen.cluster.spec import EngineSpec
 
 OPTIONS = {"kv_cache_bytes": 16 << 20}
@@ -281,3 +282,19 @@ def test_a_closed_job_stops_its_rows_held_elsewhere(pair: tuple[Bus, Host, Host]
     # coroutines of that job still in flight to B are refused
     b.adopt("A", spec, [(job.job_id, row, b"never resumed") for row in range(len(order.seq_ids))])
     assert held(b, spec) == () and b.counters.returned == 0
+
+
+@pytest.mark.parametrize("max_num_seqs, measured", [(2, True), (64, False)])
+def test_speed_is_measured_only_while_rows_queue(spec: EngineSpec, max_num_seqs: int, measured: bool) -> None:
+    """A rate taken while the batch is short of rows says how much work there was, not how fast
+    the engine is: speed counts only seconds in which rows waited for a place in the batch."""
+    runner = EngineRunner(EngineSpec.make(spec.model, {**OPTIONS, "max_num_seqs": max_num_seqs}),
+                          lambda done: None, lambda exc, refs: None)
+    try:
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        runner.submit([(RowRef("job", i), p, params) for i, p in enumerate(PROMPTS * 2)]).result(60)
+        wait_until(lambda: runner.load.tokens_per_s > 0)
+        time.sleep(2.5)  # two more rate windows
+        assert (runner.load.speed > 0) == measured
+    finally:
+        runner.close()

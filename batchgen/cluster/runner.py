@@ -58,7 +58,7 @@ class RunnerLoad:
     tokens_per_s: float = 0.0
     generated_tokens: int = 0
     movable: tuple[CoroutineInfo, ...] = ()
-    speed: float = 0.0  # peak smoothed tokens/s, slowly forgotten: what this engine can sustain
+    speed: float = 0.0  # peak tokens/s while saturated, slowly forgotten; 0: never saturated yet
 
 
 Done = Callable[[list[tuple[RowRef, RequestOutput]]], None]
@@ -82,6 +82,7 @@ class EngineRunner:
         self.failure: BaseException | None = None
         self._tps, self._last_t, self._last_tokens, self._last_snap = 0.0, time.monotonic(), 0, 0.0
         self._speed = 0.0
+        self._saturated = False  # rows waited at every snapshot of the current rate window
         self._thread = threading.Thread(target=self._run, name=f"batchgen-engine:{spec.model}", daemon=True)
         self._thread.start()
 
@@ -281,13 +282,16 @@ class EngineRunner:
         self._last_snap = now
         load = engine.load()
         generated = int(engine.stats.generated_tokens)
+        self._saturated = self._saturated and load["waiting"] > 0
         if now - self._last_t >= 1.0:
             rate = (generated - self._last_tokens) / (now - self._last_t)
             self._tps = rate if self._tps == 0 else 0.5 * self._tps + 0.5 * rate
-            # a peak, not the current rate: an engine short of rows is not a slow engine; the decay
-            # (half-life ~70 s) follows a device that got slower, e.g. shared with another job
-            self._speed = max(self._tps, _SPEED_DECAY * self._speed)
-            self._last_t, self._last_tokens = now, generated
+            if self._saturated:
+                # Speed is measured only while rows queued the whole second (the batch was as big
+                # as the engine allows): a rate then is capacity, not load. A peak, slowly
+                # forgotten (half-life ~70 s): a device that got slower (shared) is followed.
+                self._speed = max(rate, _SPEED_DECAY * self._speed)
+            self._last_t, self._last_tokens, self._saturated = now, generated, load["waiting"] > 0
         movable = []  # own coroutines and those held for others (which re-migrate via their owner)
         for seq_id, remaining in load["remaining_by_seq"].items():
             if seq_id in self._tickets:
