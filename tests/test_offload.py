@@ -74,3 +74,18 @@ def test_the_pool_keeps_recent_experts_and_evicts_the_least_recent() -> None:
     _, _, again = cache.fetch(0, torch.tensor([[0, 0]]))
     assert cache.stats.loads == 7
     assert torch.equal(w13[again[0, 0]], layers[0].w13[0])
+
+
+def test_micro_batched_attention_still_loads_each_expert_once_per_forward(checkpoint_factory, prompt_ids) -> None:
+    """The MoE stage combines every attention micro-batch, so splitting attention costs no
+    extra expert copies: the same loads as one attention batch, the same tokens."""
+    model_dir = checkpoint_factory("mixtral")
+    budget = one_layer_of_experts(Engine(model_dir, kv_cache_bytes=16 << 20))
+    runs = {}
+    for kv_tokens in (None, 64):
+        engine = Engine(model_dir, kv_cache_bytes=16 << 20, expert_memory_bytes=budget, attention_kv_tokens=kv_tokens)
+        tokens = [o.token_ids for o in engine.generate(prompt_ids[:6], GREEDY)]
+        runs[kv_tokens] = (tokens, engine.stats_summary())
+    (one_tokens, one), (micro_tokens, micro) = runs[None], runs[64]
+    assert micro["attention_batch_mean"] < one["attention_batch_mean"]  # attention really was split
+    assert micro_tokens == one_tokens and micro["expert_loads"] == one["expert_loads"]
