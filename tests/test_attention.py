@@ -65,3 +65,21 @@ def test_groups_bound_the_padding() -> None:
     padded = sum(g.gather.shape[0] * g.gather.shape[1] for g in batch.decode_groups)
     assert padded < 1.3 * sum(lengths)  # one padded batch would be ~2x
     assert all(g.gather.shape[0] >= attention.MIN_DECODE_GROUP for g in batch.decode_groups[:-1])
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_mla_absorbed_decode_equals_expanding_the_latent(checkpoint_factory, prompt_ids, monkeypatch,
+                                                         arch: str) -> None:
+    from batchgen import Engine, SamplingParams
+    from batchgen.models import mla
+
+    model_dir = checkpoint_factory(arch)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = prompt_ids * 3  # enough decoding rows for several length groups
+    absorbed = Engine(model_dir, block_size=8).generate(prompts, params)
+    monkeypatch.setattr(mla, "paged_attention", lambda *args: attention.paged_attention(*args[:7]))  # no decode fn
+    expanded = Engine(model_dir, block_size=8).generate(prompts, params)
+    for a, b in zip(absorbed, expanded):
+        assert a.token_ids == b.token_ids
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert la[t] == pytest.approx(lb[t], abs=1e-4)

@@ -135,13 +135,25 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     return out.reshape(S, hk, g, Q, -1).permute(0, 3, 1, 2, 4).reshape(S, Q, hq, -1)
 
 
+# (q [Sg, Hq, Dk], gathered cache rows [Sg, L, W], allowed [Sg, 1, L]) -> [Sg, Hq, v_dim]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor, expand: KVExpander,
-                    scale: float, window: int | None, v_dim: int) -> torch.Tensor:
-    """q: [T, Hq, Dk]; cache: [slots, W] already holding this batch's new KV -> [T, Hq, v_dim]."""
+                    scale: float, window: int | None, v_dim: int,
+                    decode: DecodeAttention | None = None) -> torch.Tensor:
+    """q: [T, Hq, Dk]; cache: [slots, W] already holding this batch's new KV -> [T, Hq, v_dim].
+
+    decode: attends the decoding groups straight from the cached rows instead of expanding them
+    to K and V (MLA's absorbed form); prefill chunks always expand."""
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
     for group in batch.decode_groups:
-        k, v = expand(cache[group.gather])  # [Sg, L, Hk, *]
-        allowed = _allowed(group.positions.unsqueeze(-1), k.shape[1], window)
+        rows = cache[group.gather]  # [Sg, L, W]
+        allowed = _allowed(group.positions.unsqueeze(-1), rows.shape[1], window)
+        if decode is not None:
+            out[group.rows] = decode(q[group.rows], rows, allowed)
+            continue
+        k, v = expand(rows)  # [Sg, L, Hk, *]
         out[group.rows] = _attend(q[group.rows].unsqueeze(1), k, v, allowed, scale).squeeze(1)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)

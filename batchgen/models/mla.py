@@ -1,8 +1,14 @@
 """DeepSeek multi-head latent attention over the paged cache.
 
 The cache holds the compressed latent per token: [kv_lora_rank] (after kv_a_layernorm) followed by
-the rotated shared key [rope_dim] — kv_lora_rank + rope_dim floats instead of 2 Hq D. Keys and
-values are expanded from the latent (kv_b_proj) when attended.
+the rotated shared key [rope_dim] — kv_lora_rank + rope_dim floats instead of 2 Hq D.
+
+Prefill chunks expand keys and values from the latent (kv_b_proj) and attend as usual. Decoding
+tokens use the absorbed form instead: kv_b_proj's key half is folded into the query and its value
+half applied after attention, so every head attends the latent itself (one shared key/value
+head of width kv_lora_rank + rope_dim) and nothing is expanded per context token. That is the
+same function regrouped: per step it costs O(heads x context x kv_lora_rank) instead of
+O(heads x context x kv_lora_rank x (nope + v)).
 """
 from __future__ import annotations
 
@@ -45,5 +51,18 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbe
         pe = rows[..., r:].unsqueeze(-2).expand(*k_nope.shape[:-1], rope_dim)
         return torch.cat([k_nope, pe], dim=-1), v
 
-    out = paged_attention(q, batch, cache, expand, a.softmax_scale, None, a.v_head_dim)
+    kv_b = w.kv_b.view(h, nope + a.v_head_dim, r)
+    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [Hq, nope, r], [Hq, v, r]
+
+    def decode(q_rows: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """q_rows [Sg, Hq, nope + rope], rows [Sg, L, r + rope], allowed [Sg, 1, L] -> [Sg, Hq, v]."""
+        q_latent = torch.einsum("shn,hnr->shr", q_rows[..., :nope], w_uk)
+        query = torch.cat([q_latent, q_rows[..., nope:]], dim=-1).unsqueeze(2)  # [Sg, Hq, 1, r + rope]
+        keys = rows.unsqueeze(1).expand(-1, h, -1, -1)  # one shared head: a view, not a copy
+        values = keys[..., :r]
+        mask = allowed.unsqueeze(1)  # [Sg, 1, 1, L]
+        o_latent = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=a.softmax_scale)
+        return torch.einsum("shr,hvr->shv", o_latent.squeeze(2), w_uv)
+
+    out = paged_attention(q, batch, cache, expand, a.softmax_scale, None, a.v_head_dim, decode)
     return F.linear(out.reshape(T, h * a.v_head_dim), w.o, w.o_bias)
