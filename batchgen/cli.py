@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from batchgen.errors import BatchgenError
 
 if TYPE_CHECKING:
+    from distributed import Client
+
     from batchgen.io.job import JobSummary
     from batchgen.io.spec import JobSpec
 
@@ -165,7 +167,7 @@ def _execute_on_cluster(spec: JobSpec, model: str | Path, args: argparse.Namespa
     """The driver reads config and tokenizer only; the weights load on the workers."""
     from distributed import Client
 
-    from batchgen.cluster.client import disconnect, install, local_cluster, release
+    from batchgen.cluster.client import install, local_cluster
     from batchgen.cluster.spec import EngineSpec
     from batchgen.io.dask_backend import DaskBackend
     from batchgen.io.job import run_file_job
@@ -174,22 +176,38 @@ def _execute_on_cluster(spec: JobSpec, model: str | Path, args: argparse.Namespa
     info = ModelInfo.load(model)  # ModelLoadError / UnsupportedModelError: exit 2, before any work
     options = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v is not None}
     cluster = None if args.scheduler else local_cluster(args.workers)
-    client = Client(args.scheduler) if args.scheduler else Client(cluster)
     try:
-        ours = install(client)  # False: the cluster already runs batchgen for someone else too
+        client = Client(args.scheduler) if args.scheduler else Client(cluster)
         try:
-            backend = DaskBackend(client, model, engine_options=options)
-            return run_file_job(spec, info, chunk_size=args.chunk_size, progress=args.progress, backend=backend)
+            ours = install(client)  # False: the cluster already runs batchgen for someone else too
+            try:
+                backend = DaskBackend(client, model, engine_options=options)
+                return run_file_job(spec, info, chunk_size=args.chunk_size, progress=args.progress,
+                                    backend=backend)
+            finally:
+                if args.scheduler:
+                    _leave_as_found(client, ours, EngineSpec.make(model, options).key)
         finally:
-            if args.scheduler:  # leave the user's cluster as we found it
-                if ours:
-                    disconnect(client)  # also stops every engine the plugin's workers held
-                else:
-                    release(client, EngineSpec.make(model, options).key)
+            client.close()
     finally:
-        client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _leave_as_found(client: Client, ours: bool, engine_key: str) -> None:
+    """Undo what this run added to a user's cluster: the plugin if it installed it (which stops
+    its engines too), else the idle engines of this run's model. A failure here is reported,
+    never allowed to hide the job's own outcome (the output file is complete either way)."""
+    from batchgen.cluster.client import disconnect, release
+
+    try:
+        if ours:
+            disconnect(client)
+        else:
+            release(client, engine_key)
+    except Exception as exc:  # noqa: BLE001
+        print(f"batchgen: could not clean up the cluster ({type(exc).__name__}: {exc}); "
+              "the results are complete", file=sys.stderr)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -298,3 +298,38 @@ def test_speed_is_measured_only_while_rows_queue(spec: EngineSpec, max_num_seqs:
         assert (runner.load.speed > 0) == measured
     finally:
         runner.close()
+
+
+def test_rows_queued_behind_an_engine_stop_run_on_a_fresh_engine(spec: EngineSpec, expected: list[list[int]]) -> None:
+    """release_idle stops an idle engine on its loop thread; a task's rows that were queued right
+    behind that stop are refused when the loop exits and go to a new engine, not into the
+    stopped one (where their task would wait forever)."""
+    host = Host(None)
+    try:
+        runner = host.runner(spec)
+        wait_until(lambda: runner.load.ready)
+        gate = threading.Event()
+        runner.call(lambda engine: gate.wait(60))  # the loop thread is busy...
+        stop = runner.close_if_idle()  # ...so the stop waits in the inbox, and the rows queue behind it
+        job = host.open_job(spec, [(p, PARAMS) for p in PROMPTS])
+        gate.set()
+        assert stop.result(30) is True and runner.is_closed
+        assert job.wait(120), "the rows went into the stopped engine"
+        assert [o.token_ids for o in job.result()] == expected
+        assert host.runner(spec) is not runner
+        host.close_job(job)
+    finally:
+        host.close()
+
+
+def test_release_idle_spares_busy_engines_and_stops_idle_ones(spec: EngineSpec) -> None:
+    host = Host(None)
+    try:
+        job = host.open_job(spec, [(p, PARAMS) for p in PROMPTS])
+        assert host.release_idle() == 0  # a task waits on it
+        assert job.wait(120)
+        host.close_job(job)
+        assert host.release_idle(model="/another/model") == 0
+        assert host.release_idle() == 1 and host.loads() == {}
+    finally:
+        host.close()

@@ -30,6 +30,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -83,6 +84,7 @@ class Host:
         self.peak_jobs = 0  # most partitions waiting here at once (seceded tasks)
         self._last_progress = 0.0
         self._cancelled: dict[tuple[str, str], None] = {}  # (owner, job_id), oldest first
+        self._live: set[str] | None = None  # live workers as last told (drop_orphans); None: not known
 
     @property
     def address(self) -> str | None:
@@ -118,19 +120,39 @@ class Host:
             self._jobs[job.job_id] = job
             self.peak_jobs = max(self.peak_jobs, len(self._jobs))
         batch: list[Request] = [(RowRef(job.job_id, i), p, sp) for i, (p, sp) in enumerate(requests)]
-        self._call_runner(spec, lambda runner: runner.submit(batch))
+        fut = self._call_runner(spec, lambda runner: runner.submit(batch))
+        fut.add_done_callback(lambda f: job.fail(f.exception()) if f.exception() is not None else None)
         return job
 
-    def _call_runner(self, spec: EngineSpec, send: Callable[[EngineRunner], Future[T]]) -> Future[T]:
-        """send(runner) to this host's engine for `spec`; once more to a fresh engine when the
-        one it found was released in between (a refused call fails at once, before returning)."""
-        runner = self.runner(spec)
-        fut = send(runner)
-        if fut.done() and fut.exception() is not None and runner.is_closed and runner.failure is None:
-            fut = send(self.runner(spec))
-        return fut
+    def _call_runner(self, spec: EngineSpec, send: Callable[[EngineRunner], Future[T]],
+                     tries: int = 3) -> Future[T]:
+        """send(runner) to this host's engine for `spec` -> its result. A call refused because
+        that engine was released meanwhile (`release_idle`; refused at once or, queued just
+        behind the stop, when the loop exits) goes again to a fresh engine. Other errors, and a
+        host that is closed, come back in the future."""
+        result: Future[T] = Future()
 
-    def release_idle(self, model: str | None = None) -> int:
+        def attempt(left: int) -> None:
+            try:
+                runner = self.runner(spec)
+            except BatchgenError as exc:
+                result.set_exception(exc)
+                return
+
+            def done(f: Future[T]) -> None:
+                exc = f.exception()
+                if exc is None:
+                    result.set_result(f.result())
+                elif runner.is_closed and runner.failure is None and left > 0:
+                    attempt(left - 1)
+                else:
+                    result.set_exception(exc)
+            send(runner).add_done_callback(done)
+
+        attempt(tries)
+        return result
+
+    def release_idle(self, model: str | None = None, timeout: float = 10.0) -> int:
         """Stop the engines (of `model`, an EngineSpec key, or all) that hold no coroutine and
         serve no task here, freeing their memory; -> how many stopped. A later task or migrated
         coroutine starts the engine again."""
@@ -140,17 +162,23 @@ class Host:
                           if (model is None or spec.key == model) and spec not in busy]
         stopped = 0
         for spec, runner in candidates:
-            try:
-                idle = runner.failure is not None or runner.close_if_idle().result(timeout=60)
-            except Exception:  # noqa: BLE001 - it failed or closed meanwhile: gone either way
-                idle = True
-            if not idle:
-                continue
+            if runner.failure is None and not runner.is_closed:
+                stop = runner.close_if_idle()
+                try:
+                    idle = stop.result(timeout=timeout)
+                except FutureTimeout:  # mid-step or still loading: busy; the stop must not run later
+                    idle = False if stop.cancel() else stop.result()
+                except Exception:  # noqa: BLE001 - it failed or closed meanwhile: gone either way
+                    idle = True
+                if not idle:
+                    continue
             with self._lock:
                 if self._runners.get(spec) is runner:
                     del self._runners[spec]
             runner.close()
             stopped += 1
+        if stopped:
+            _free_cached_memory()
         return stopped
 
     def close_job(self, job: PartitionJob) -> None:
@@ -233,9 +261,8 @@ class Host:
         for ref, num_output, state in items:
             with self._lock:
                 job = self._jobs.get(ref.job_id)
-            if job is None or job.is_done:
-                continue
-            job.moved(ref.row, dst, state, num_output)
+            if job is None or not job.moved(ref.row, dst, state, num_output):
+                continue  # the task ended meanwhile: nobody waits for this row
             sent.append([ref.job_id, ref.row, state])
         if not sent or self.transport is None:
             return
@@ -258,7 +285,13 @@ class Host:
             # that has really left is noticed by `drop_orphans`, which then drops them).
             self.transport.send(owner, "batchgen_forward", {"holder": self.transport.address, "dst": dst,
                                                             "spec": spec.to_msg(), "jobs": dict(jobs)},
-                                on_error=lambda exc, o=owner, b=back: self.adopt(o, spec, b))
+                                on_error=lambda exc, o=owner, b=back: self._forward_failed(o, spec, b))
+
+    def _forward_failed(self, owner: str, spec: EngineSpec, items: list[tuple[str, int, bytes]]) -> None:
+        with self._lock:
+            gone = self._live is not None and owner not in self._live
+        if not gone:  # keep running them; an owner that leaves later is caught by drop_orphans
+            self.adopt(owner, spec, items)
 
     def receive_forward(self, holder: str, dst: str, spec: EngineSpec, jobs: dict[str, list[list[Any]]]) -> None:
         """The holder of some of this host's rows passed them back, to go on to `dst` (or to be
@@ -322,6 +355,7 @@ class Host:
     def drop_orphans(self, live: set[str]) -> None:
         """Stop coroutines held for tasks on workers that left: Dask reruns those tasks elsewhere."""
         with self._lock:
+            self._live = set(live)
             runners = list(self._runners.values())
         for runner in runners:
             if runner.failure is None:
@@ -336,12 +370,8 @@ class Host:
         self._resume_states(job, [(row, fresh.get(row, state)) for row, state in kept.items()])
 
     def _resume_states(self, job: PartitionJob, states: list[tuple[int, bytes]]) -> None:
-        try:
-            fut = self._call_runner(job.spec, lambda runner: runner.adopt(
-                [(RowRef(job.job_id, row), state) for row, state in states]))
-        except BatchgenError as exc:
-            job.fail(exc)
-            return
+        fut = self._call_runner(job.spec, lambda runner: runner.adopt(
+            [(RowRef(job.job_id, row), state) for row, state in states]))
 
         def check(f: Any) -> None:
             exc = f.exception()
@@ -363,13 +393,10 @@ class Host:
             closed = self._closed
             if not closed:
                 self.counters.migrated_in += len(refs)
-        try:
-            if closed:
-                raise BatchgenError("closed")
-            fut = self._call_runner(spec, lambda runner: runner.adopt(refs))
-        except BatchgenError:
+        if closed:
             self._bounce(owner, [ref for ref, _ in refs])
             return
+        fut = self._call_runner(spec, lambda runner: runner.adopt(refs))
 
         def rejected(f: Any) -> None:
             bad = f.result() if not f.exception() else [ref for ref, _ in refs]
@@ -485,3 +512,14 @@ class Host:
             runners, self._runners = list(self._runners.values()), {}
         for runner in runners:
             runner.close()
+
+
+def _free_cached_memory() -> None:
+    """Hand stopped engines' memory back: to the allocator, and from torch's CUDA cache."""
+    import gc
+
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

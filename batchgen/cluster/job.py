@@ -60,10 +60,14 @@ class PartitionJob:
                 self._done.set()
             return True
 
-    def moved(self, row: int, holder: str, state: bytes, num_output: int = 0) -> None:
+    def moved(self, row: int, holder: str, state: bytes, num_output: int = 0) -> bool:
+        """Record that `row` now runs on `holder`; False (nothing recorded) when the row already
+        has its output or the job ended: then the state must not be sent anywhere."""
         with self._lock:
-            if self.outputs[row] is None:
-                self._remote[row] = RemoteRow(holder, state, num_output)
+            if self.outputs[row] is not None or self._done.is_set():
+                return False
+            self._remote[row] = RemoteRow(holder, state, num_output)
+            return True
 
     def progress(self, row: int, holder: str, num_output: int, state: bytes) -> bool:
         """A newer state of a moved row from its holder; kept when it has more output tokens."""

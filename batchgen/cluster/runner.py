@@ -196,6 +196,8 @@ class EngineRunner:
                     fut.set_result(fn(engine))
                 except BaseException as exc:  # noqa: BLE001 - the caller gets it
                     fut.set_exception(exc)
+            if self._closed.is_set():
+                return  # closed by that command (close_if_idle): the rest are refused, not run
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -289,7 +291,8 @@ class EngineRunner:
             if self._saturated:
                 # Speed is measured only while rows queued the whole second (the batch was as big
                 # as the engine allows): a rate then is capacity, not load. A peak, slowly
-                # forgotten (half-life ~70 s): a device that got slower (shared) is followed.
+                # forgotten while saturated (half-life ~70 saturated seconds), so a device that got
+                # slower (shared) is followed; unsaturated seconds leave it as it is.
                 self._speed = max(rate, _SPEED_DECAY * self._speed)
             self._last_t, self._last_tokens, self._saturated = now, generated, load["waiting"] > 0
         movable = []  # own coroutines and those held for others (which re-migrate via their owner)

@@ -180,10 +180,11 @@ def ensure_side(worker: Worker) -> WorkerSide:
         return side
 
 
-def release_engines(dask_worker: Worker, model: str | None = None) -> int:
-    """`Client.run` target: stop this worker's idle engines (of `model`, an EngineSpec key)."""
+async def release_engines(dask_worker: Worker, model: str | None = None) -> int:
+    """`Client.run` target: stop this worker's idle engines (of `model`, an EngineSpec key).
+    Async, and the waiting on a thread: the worker's event loop keeps serving meanwhile."""
     side = dask_worker.extensions.get(EXTENSION)
-    return side.host.release_idle(model) if side is not None else 0
+    return await asyncio.to_thread(side.host.release_idle, model) if side is not None else 0
 
 
 @functools.cache
