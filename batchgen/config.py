@@ -37,7 +37,7 @@ class EngineConfig:
     seed: int = 0  # draws the seeds of requests that set none
     # Device bytes for routed-expert weights. None: every expert resident. Less than the experts
     # need: they stay in host memory and stream through a pool this size (at least one MoE
-    # layer's experts), least recently used out first (models/offload.py).
+    # layer's experts), the expert needed furthest ahead out first (models/offload.py).
     expert_memory_bytes: int | None = None
     # Where MALLOC_TRIM_THRESHOLD_ is set (Dask workers), raise glibc's mmap/trim thresholds for
     # this process so activations reuse heap blocks instead of faulting in fresh pages (malloc.py).

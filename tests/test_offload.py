@@ -56,24 +56,46 @@ def test_a_pool_smaller_than_one_layer_fails_at_load(checkpoint_factory) -> None
         Engine(model_dir, expert_memory_bytes=0)
 
 
-def test_the_pool_keeps_recent_experts_and_evicts_the_least_recent() -> None:
+def host_layers(num_layers: int, experts: int) -> dict[int, HostExperts]:
     torch.manual_seed(0)
-    layers = {layer: HostExperts(torch.randn(4, 6, 3), torch.randn(4, 3, 3)) for layer in (0, 1)}
+    return {2 * i + 1: HostExperts(torch.randn(experts, 6, 3), torch.randn(experts, 3, 3))  # odd: sparse MoE layers
+            for i in range(num_layers)}
+
+
+def test_fetched_slots_always_hold_the_requested_experts() -> None:
+    layers = host_layers(3, 4)
     cache = ExpertCache(layers, torch.device("cpu"), slots=5)
-    ids = torch.tensor([[0, 1], [1, 2]])
-    w13, w2, slots = cache.fetch(0, ids)
-    for e, s in zip(ids.flatten().tolist(), slots.flatten().tolist()):
-        assert torch.equal(w13[s], layers[0].w13[e]) and torch.equal(w2[s], layers[0].w2[e])
-    assert (cache.stats.loads, cache.stats.hits) == (3, 0)
-    cache.fetch(0, torch.tensor([[2, 2]]))  # a hit: expert 2 of layer 0 is now the most recent
-    assert (cache.stats.loads, cache.stats.hits) == (3, 1)
-    _, _, slots = cache.fetch(1, torch.tensor([[0, 3], [3, 1]]))  # 3 more: 2 free slots, then evict LRU
-    assert cache.stats.loads == 6
-    w13, _, _ = cache.fetch(0, torch.tensor([[2, 1]]))  # layer 0's expert 0 went (least recent), 1 and 2 stayed
-    assert cache.stats.loads == 6 and cache.stats.hits == 3
-    _, _, again = cache.fetch(0, torch.tensor([[0, 0]]))
-    assert cache.stats.loads == 7
-    assert torch.equal(w13[again[0, 0]], layers[0].w13[0])
+    rng = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        layer = list(layers)[int(torch.randint(0, 3, (1,), generator=rng))]
+        ids = torch.randint(0, 4, (int(torch.randint(1, 6, (1,), generator=rng)), 2), generator=rng)
+        w13, w2, slots = cache.fetch(layer, ids)
+        for e, slot in zip(ids.flatten().tolist(), slots.flatten().tolist()):
+            assert torch.equal(w13[slot], layers[layer].w13[e]) and torch.equal(w2[slot], layers[layer].w2[e])
+    assert cache.stats.loads + cache.stats.hits > 0 and cache.stats.loads > 12  # it did evict and reload
+
+
+def test_eviction_keeps_whole_layers_across_forwards() -> None:
+    """Pool of 8 for 3 layers x 4 experts, every expert used each forward: evicting the layer
+    needed furthest ahead (Belady's choice) reloads one layer and two layers in turn, 6 of 12 per
+    forward; least-recently-used would evict the very layer needed next and reload all 12."""
+    layers = host_layers(3, 4)
+    cache = ExpertCache(layers, torch.device("cpu"), slots=8)
+    every = torch.arange(4).reshape(2, 2)
+    for layer in sorted(layers):  # the first forward fills the pool
+        cache.fetch(layer, every)
+    loads, hits = cache.stats.loads, cache.stats.hits
+    for _ in range(4):
+        for layer in sorted(layers):
+            cache.fetch(layer, every)
+    assert (cache.stats.loads - loads, cache.stats.hits - hits) == (24, 24)
+    partial = ExpertCache(layers, torch.device("cpu"), slots=8)
+    partial.fetch(1, torch.tensor([[0, 1]]))
+    partial.fetch(3, every)
+    partial.fetch(3, torch.tensor([[2, 3]]))  # a hit: layer 3 keeps all four
+    partial.fetch(5, every)  # needs 2 more slots: taken from layer 3, the one just before
+    assert partial.resident(1) == [0, 1] and len(partial.resident(3)) == 2 and partial.resident(5) == [0, 1, 2, 3]
+    assert partial.resident(3) == [2, 3]  # within a layer the least recently used went first
 
 
 def test_micro_batched_attention_still_loads_each_expert_once_per_forward(checkpoint_factory, prompt_ids) -> None:

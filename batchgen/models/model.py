@@ -50,11 +50,7 @@ class Model:
         experts = None
         if expert_memory_bytes is not None:
             moe_layers = {i: lw.ffn for i, lw in enumerate(weights.layers) if isinstance(lw.ffn, MoEWeights)}
-            experts = plan_offload({i: (f.w13, f.w2) for i, f in moe_layers.items()},  # type: ignore[misc]
-                                   expert_memory_bytes, dev)
-            if experts is not None:
-                for f in moe_layers.values():
-                    f.w13 = f.w2 = None  # the cache's host copies are the only ones now
+            experts = plan_offload(moe_layers, expert_memory_bytes, dev)
             if dev.type != "cpu":
                 weights = to_device(weights, dev)
         return cls(spec, weights, dev, torch_dtype, cfg, experts)

@@ -1,12 +1,20 @@
 """Routed experts spilled to host memory: a device pool of expert slots, filled on demand.
 
 With `expert_memory_bytes` below what the routed experts need, their weights stay in host
-memory (pinned on CUDA) and the device holds a pool of `slots` experts, least recently used out
-first. A MoE stage asks for the experts its tokens were routed to; the missing ones are copied
-into free or evicted slots, and the kernel runs on the pool with the token->expert ids remapped
-to slots. The runtime runs each layer's MoE stage once per forward on all attention
-micro-batches combined, so one copy of an expert serves the whole expert batch: the larger that
-batch, the fewer bytes cross the host link per generated token.
+memory (pinned on CUDA) and the device holds a pool of `slots` experts. A MoE stage asks for the
+experts its tokens were routed to; the missing ones are copied into free or evicted slots, and
+the kernel runs on the pool with the token->expert ids remapped to slots.
+
+Eviction knows the order: every forward visits the MoE layers first to last, so the resident
+expert needed furthest in the future belongs to the layer just before this one, then the one
+before that, and so on round to the next layer. Evicting in that order (Belady's choice for a
+cyclic sweep) keeps whole layers resident across forwards; least-recently-used would evict
+exactly the layer needed next and get no hits at all once the pool is smaller than a forward's
+working set. Within a layer, the least recently used expert goes first.
+
+The runtime runs each layer's MoE stage once per forward on all attention micro-batches
+combined, so one copy of an expert serves the whole expert batch: the larger that batch, the
+fewer bytes cross the host link per generated token.
 
 The pool must hold one MoE layer's experts (a stage may need all of them); shared experts and
 everything else stay resident. Copies go on the current stream (ordered before the kernel
@@ -20,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ModelLoadError
+from .weights import MoEWeights
 
 
 @dataclass(slots=True)
@@ -48,7 +57,10 @@ class ExpertCache:
         self.pool13 = torch.empty((slots, *first.w13.shape[1:]), dtype=first.w13.dtype, device=device)
         self.pool2 = torch.empty((slots, *first.w2.shape[1:]), dtype=first.w2.dtype, device=device)
         self.expert_bytes = self.bytes_per_expert(first.w13, first.w2)
-        self._where: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, LRU first
+        self._order = sorted(layers)  # forward order of the MoE layers
+        self._position = {layer: i for i, layer in enumerate(self._order)}
+        # per layer: expert -> slot, least recently used first
+        self._resident: dict[int, OrderedDict[int, int]] = {layer: OrderedDict() for layer in layers}
         self._free = list(range(slots - 1, -1, -1))
         self.stats = ExpertCacheStats()
 
@@ -56,51 +68,67 @@ class ExpertCache:
     def bytes_per_expert(w13: torch.Tensor, w2: torch.Tensor) -> int:
         return (w13[0].numel() + w2[0].numel()) * w13.element_size()
 
+    def resident(self, layer: int) -> list[int]:
+        """Experts of `layer` in the pool now."""
+        return sorted(self._resident[layer])
+
     def fetch(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """topk_ids [T, A] (expert ids of `layer`) -> (pool w13 [S, 2N, H], pool w2 [S, H, N],
         topk ids remapped to pool slots [T, A]), with every needed expert in the pool."""
-        host = self.layers[layer]
+        host, resident = self.layers[layer], self._resident[layer]
         needed = torch.unique(topk_ids).tolist()
-        slot_of: dict[int, int] = {}
-        missing: list[int] = []
+        keep = set(needed)
+        missing = [e for e in needed if e not in resident]
         for e in needed:
-            slot = self._where.get((layer, e))
-            if slot is None:
-                missing.append(e)
-            else:
-                self._where.move_to_end((layer, e))
-                slot_of[e] = slot
+            if e in resident:
+                resident.move_to_end(e)
         for e in missing:
-            # slots >= experts per layer, and this stage's hits were moved to the end: the LRU
-            # front is never an expert this stage needs
-            slot = self._free.pop() if self._free else self._where.popitem(last=False)[1]
+            slot = self._free.pop() if self._free else self._evict(layer, keep)
             self.pool13[slot].copy_(host.w13[e], non_blocking=True)
             self.pool2[slot].copy_(host.w2[e], non_blocking=True)
-            self._where[(layer, e)] = slot
-            slot_of[e] = slot
+            resident[e] = slot
         self.stats.hits += len(needed) - len(missing)
         self.stats.loads += len(missing)
         self.stats.bytes_loaded += len(missing) * self.expert_bytes
         lut = torch.zeros(host.w13.shape[0], dtype=torch.long)
-        lut[list(slot_of)] = torch.tensor(list(slot_of.values()), dtype=torch.long)
+        lut[needed] = torch.tensor([resident[e] for e in needed], dtype=torch.long)
         return self.pool13, self.pool2, lut.to(topk_ids.device)[topk_ids]
 
+    def _evict(self, layer: int, keep: set[int]) -> int:
+        """Free the slot whose expert is needed furthest in the future (see the module docstring);
+        never one of `keep` (this stage's experts): slots >= one layer's experts guarantees one."""
+        n, here = len(self._order), self._position[layer]
+        for back in range(1, n + 1):  # the layer just before this one first; this layer last
+            victim = self._order[(here - back) % n]
+            pool = self._resident[victim]
+            for e in pool:  # least recently used first
+                if victim != layer or e not in keep:
+                    return pool.pop(e)
+        raise AssertionError("expert pool smaller than one layer's experts")
 
-def plan_offload(moe_layers: dict[int, tuple[torch.Tensor, torch.Tensor]], budget: int | None,
-                 device: torch.device) -> ExpertCache | None:
+
+def plan_offload(moe_layers: dict[int, MoEWeights], budget: int | None, device: torch.device) -> ExpertCache | None:
     """An ExpertCache when `budget` bytes cannot hold every routed expert; None when they fit
-    (or no budget is set). Moves each layer's experts to host memory, pinned on CUDA."""
+    (or no budget is set). Takes each layer's experts out of its MoEWeights (w13/w2 become None)
+    into host memory, pinned on CUDA, one layer at a time so the host never holds two copies of
+    more than one layer."""
     if budget is None or not moe_layers:
         return None
-    per_expert = max(ExpertCache.bytes_per_expert(w13, w2) for w13, w2 in moe_layers.values())
-    total = sum(ExpertCache.bytes_per_expert(w13, w2) * w13.shape[0] for w13, w2 in moe_layers.values())
+    sizes = {i: (ExpertCache.bytes_per_expert(f.w13, f.w2), f.w13.shape[0])  # type: ignore[arg-type,union-attr]
+             for i, f in moe_layers.items()}
+    per_expert = max(size for size, _ in sizes.values())
+    total = sum(size * count for size, count in sizes.values())
     if budget >= total:
         return None
-    widest = max(w13.shape[0] for w13, _ in moe_layers.values())
+    widest = max(count for _, count in sizes.values())
     if budget < widest * per_expert:
         raise ModelLoadError(f"expert_memory_bytes={budget} cannot hold one MoE layer's {widest} experts "
                              f"(at least {widest * per_expert} bytes; all routed experts take {total})")
     pin = device.type == "cuda"
-    host = {i: HostExperts(w13.cpu().pin_memory() if pin else w13.cpu(), w2.cpu().pin_memory() if pin else w2.cpu())
-            for i, (w13, w2) in moe_layers.items()}
+    host: dict[int, HostExperts] = {}
+    for i, f in moe_layers.items():
+        w13, w2 = f.w13.cpu(), f.w2.cpu()  # type: ignore[union-attr]
+        f.w13 = f.w2 = None  # the cache's host copy is the only one from here on
+        host[i] = HostExperts(w13.pin_memory() if pin else w13, w2.pin_memory() if pin else w2)
+        del w13, w2
     return ExpertCache(host, device, budget // per_expert)
