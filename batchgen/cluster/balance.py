@@ -68,7 +68,8 @@ class BalanceConfig:
     # While tasks are still waiting to start, new partitions will land on idle workers anyway:
     # only not-started coroutines move then, running ones wait for the tail.
     tail_only: bool = True
-    # Engines whose measured speeds differ by less than this factor are treated as equal.
+    # Engines whose measured speeds differ by less than this factor are treated as equal. Keep it
+    # below imbalance_ratio: else a speed estimate crossing the tolerance could move work back.
     speed_tolerance: float = 1.3
 
     def __post_init__(self) -> None:
