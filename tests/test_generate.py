@@ -133,7 +133,7 @@ def test_threaded_dask_partitions_share_one_engine(ckpt: Path, prompt_ids: list[
                                  engine_options=OPTIONS, **GREEDY).compute()
     assert list(out.index) == list(pdf.index)
     assert out["generated_text"].tolist() == reference([list(p) for p in pdf["prompt"]], pdf["max_tokens"].tolist())
-    specs = [s for s in local_host()._runners if s.model == str(ckpt.absolute())]
+    specs = [s for s in local_host().engines.specs() if s.model == str(ckpt.absolute())]
     assert len(specs) == 1  # one cached engine per (model, options) in this process
 
 

@@ -5,8 +5,8 @@
     batchgen.cluster.metrics(client)              # per-worker load while it runs
 
 Modules: generate (the partition function), frame (pandas in/out, meta calls), spec (engine
-key), runner (an engine and its loop thread), job (rows a task waits for), host (engines, jobs,
-migration), worker (worker extension, RPC handlers, load push), plugin (scheduler plugin),
+key), runner (an engine and its loop thread), engines (a host's runners), job (rows a task waits
+for), host (jobs, migration), worker (worker extension, RPC handlers, load push), plugin (scheduler plugin),
 balance (pure policy), client (connect / disconnect / release), dataframe, monitor (metrics, progress).
 `generate` is bound eagerly (its module shares its name, and it imports nothing heavy); the
 other names load on first use, so `import batchgen` does not import distributed.

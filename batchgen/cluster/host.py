@@ -29,20 +29,18 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from ..errors import BatchgenError
 from ..outputs import RequestOutput
 from .balance import Migration
+from .engines import EngineSet
 from .job import PartitionJob
 from .runner import EngineRunner, Request, RowRef, RunnerLoad
 from .spec import EngineSpec
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # How often a holder sends owners the progress of their rows (at most; on the load push).
 PROGRESS_EVERY_S = 1.0
@@ -77,7 +75,7 @@ class Host:
     def __init__(self, transport: Transport | None = None) -> None:
         self.transport = transport
         self.counters = HostCounters()
-        self._runners: dict[EngineSpec, EngineRunner] = {}
+        self.engines = EngineSet(self._on_done, self._on_fail)
         self._jobs: dict[str, PartitionJob] = {}
         self._lock = threading.RLock()
         self._closed = False
@@ -93,22 +91,18 @@ class Host:
     # -- engines ----------------------------------------------------------------------------------
     def runner(self, spec: EngineSpec) -> EngineRunner:
         """The engine for `spec`, started on first use (a closed host only serves running jobs)."""
-        with self._lock:
-            runner = self._runners.get(spec)
-            if runner is None or runner.failure is not None or runner.is_closed:
-                if self._closed:
-                    raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
-                runner = EngineRunner(spec, self._on_done, lambda exc, refs, s=spec: self._on_fail(s, exc, refs))
-                self._runners[spec] = runner
-            return runner
-
-    def runner_for_key(self, key: str) -> EngineRunner | None:
-        with self._lock:
-            return next((r for s, r in self._runners.items() if s.key == key), None)
+        return self.engines.get(spec)
 
     def loads(self) -> dict[str, RunnerLoad]:
+        return self.engines.loads()
+
+    def release_idle(self, model: str | None = None, timeout: float = 10.0) -> int:
+        """Stop the engines (of `model`, an EngineSpec key, or all) that hold no coroutine and
+        serve no task here, freeing their memory; -> how many stopped. A later task or migrated
+        coroutine starts the engine again."""
         with self._lock:
-            return {spec.key: r.load for spec, r in self._runners.items() if r.failure is None}
+            busy = {job.spec for job in self._jobs.values()}
+        return self.engines.release_idle(busy, model, timeout)
 
     # -- a task's partition -----------------------------------------------------------------------
     def open_job(self, spec: EngineSpec, requests: list[tuple[Any, Any]]) -> PartitionJob:
@@ -120,78 +114,21 @@ class Host:
             self._jobs[job.job_id] = job
             self.peak_jobs = max(self.peak_jobs, len(self._jobs))
         batch: list[Request] = [(RowRef(job.job_id, i), p, sp) for i, (p, sp) in enumerate(requests)]
-        fut = self._call_runner(spec, lambda runner: runner.submit(batch))
+        fut = self.engines.call(spec, lambda runner: runner.submit(batch))
         fut.add_done_callback(lambda f: job.fail(f.exception()) if f.exception() is not None else None)
         return job
-
-    def _call_runner(self, spec: EngineSpec, send: Callable[[EngineRunner], Future[T]],
-                     tries: int = 3) -> Future[T]:
-        """send(runner) to this host's engine for `spec` -> its result. A call refused because
-        that engine was released meanwhile (`release_idle`; refused at once or, queued just
-        behind the stop, when the loop exits) goes again to a fresh engine. Other errors, and a
-        host that is closed, come back in the future."""
-        result: Future[T] = Future()
-
-        def attempt(left: int) -> None:
-            try:
-                runner = self.runner(spec)
-            except BatchgenError as exc:
-                result.set_exception(exc)
-                return
-
-            def done(f: Future[T]) -> None:
-                exc = f.exception()
-                if exc is None:
-                    result.set_result(f.result())
-                elif runner.is_closed and runner.failure is None and left > 0:
-                    attempt(left - 1)
-                else:
-                    result.set_exception(exc)
-            send(runner).add_done_callback(done)
-
-        attempt(tries)
-        return result
-
-    def release_idle(self, model: str | None = None, timeout: float = 10.0) -> int:
-        """Stop the engines (of `model`, an EngineSpec key, or all) that hold no coroutine and
-        serve no task here, freeing their memory; -> how many stopped. A later task or migrated
-        coroutine starts the engine again."""
-        with self._lock:
-            busy = {job.spec for job in self._jobs.values()}
-            candidates = [(spec, r) for spec, r in self._runners.items()
-                          if (model is None or spec.key == model) and spec not in busy]
-        stopped = 0
-        for spec, runner in candidates:
-            if runner.failure is None and not runner.is_closed:
-                stop = runner.close_if_idle()
-                try:
-                    idle = stop.result(timeout=timeout)
-                except FutureTimeout:  # mid-step or still loading: busy; the stop must not run later
-                    idle = False if stop.cancel() else stop.result()
-                except Exception:  # noqa: BLE001 - it failed or closed meanwhile: gone either way
-                    idle = True
-                if not idle:
-                    continue
-            with self._lock:
-                if self._runners.get(spec) is runner:
-                    del self._runners[spec]
-            runner.close()
-            stopped += 1
-        if stopped:
-            _free_cached_memory()
-        return stopped
 
     def close_job(self, job: PartitionJob) -> None:
         """Forget the job; any of its coroutines still here (duplicates, a failed job) are dropped."""
         with self._lock:
             self._jobs.pop(job.job_id, None)
-            runner = self._runners.get(job.spec)
             last = self._closed and not self._jobs
-        if runner is not None and runner.failure is None:
+        runner = self.engines.peek(job.spec)
+        if runner is not None:
             runner.cancel(lambda ref: ref.is_local and ref.job_id == job.job_id)
         self._cancel_remote(job)
         if last:
-            self._close_runners()
+            self.engines.stop_all()
 
     def _cancel_remote(self, job: PartitionJob) -> None:
         """Tell the holders of a closed job's unfinished moved rows to drop them (a failed task:
@@ -243,7 +180,7 @@ class Host:
     # -- migration: owner side --------------------------------------------------------------------
     def execute(self, order: Migration) -> None:
         """Carry out a scheduler order: suspend the coroutines, keep their state, send them."""
-        runner = self.runner_for_key(order.model)
+        runner = self.engines.for_key(order.model)
         if runner is None or self.transport is None:
             return
         fut = runner.move_out(list(order.seq_ids))
@@ -318,8 +255,7 @@ class Host:
             self._cancelled[(owner, job_id)] = None
             while len(self._cancelled) > _CANCELLED_KEPT:
                 del self._cancelled[next(iter(self._cancelled))]
-            runners = [r for r in self._runners.values() if r.failure is None]
-        for runner in runners:
+        for runner in self.engines.live():
             fut = runner.cancel(lambda ref: ref.owner == owner and ref.job_id == job_id)
             fut.add_done_callback(lambda f: self._count_cancelled(f.result()) if not f.exception() else None)
 
@@ -356,10 +292,8 @@ class Host:
         """Stop coroutines held for tasks on workers that left: Dask reruns those tasks elsewhere."""
         with self._lock:
             self._live = set(live)
-            runners = list(self._runners.values())
-        for runner in runners:
-            if runner.failure is None:
-                runner.cancel(lambda ref: ref.owner is not None and ref.owner not in live)
+        for runner in self.engines.live():
+            runner.cancel(lambda ref: ref.owner is not None and ref.owner not in live)
 
     def _resume_here(self, job_id: str, rows: list[int], fresh: dict[int, bytes]) -> None:
         with self._lock:
@@ -370,7 +304,7 @@ class Host:
         self._resume_states(job, [(row, fresh.get(row, state)) for row, state in kept.items()])
 
     def _resume_states(self, job: PartitionJob, states: list[tuple[int, bytes]]) -> None:
-        fut = self._call_runner(job.spec, lambda runner: runner.adopt(
+        fut = self.engines.call(job.spec, lambda runner: runner.adopt(
             [(RowRef(job.job_id, row), state) for row, state in states]))
 
         def check(f: Any) -> None:
@@ -396,7 +330,7 @@ class Host:
         if closed:
             self._bounce(owner, [ref for ref, _ in refs])
             return
-        fut = self._call_runner(spec, lambda runner: runner.adopt(refs))
+        fut = self.engines.call(spec, lambda runner: runner.adopt(refs))
 
         def rejected(f: Any) -> None:
             bad = f.result() if not f.exception() else [ref for ref, _ in refs]
@@ -422,8 +356,7 @@ class Host:
             if self._closed or now - self._last_progress < every:
                 return
             self._last_progress = now
-            runners = [r for r in self._runners.values() if r.failure is None]
-        for runner in runners:
+        for runner in self.engines.live():
             runner.progress().add_done_callback(lambda f: None if f.exception() else self._send_progress(f.result()))
 
     def _send_progress(self, items: list[tuple[RowRef, int, bytes]]) -> None:
@@ -485,10 +418,10 @@ class Host:
             if self._closed:
                 return
             self._closed = True
-            runners = list(self._runners.values())
             jobs = list(self._jobs.values())
-        for runner in runners:
-            if runner.failure is None and self.transport is not None:
+        self.engines.close()
+        for runner in self.engines.live():
+            if self.transport is not None:
                 try:
                     items = runner.suspend(match=lambda ref: not ref.is_local, with_kv=False).result(timeout=30)
                 except Exception:  # noqa: BLE001 - owners still hold the states they sent
@@ -505,21 +438,4 @@ class Host:
         with self._lock:
             idle = not self._jobs
         if idle:
-            self._close_runners()
-
-    def _close_runners(self) -> None:
-        with self._lock:
-            runners, self._runners = list(self._runners.values()), {}
-        for runner in runners:
-            runner.close()
-
-
-def _free_cached_memory() -> None:
-    """Hand stopped engines' memory back: to the allocator, and from torch's CUDA cache."""
-    import gc
-
-    gc.collect()
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+            self.engines.stop_all()
