@@ -7,7 +7,6 @@ One cluster for the module; the worker-kill test runs after the others that need
 from __future__ import annotations
 
 import io
-import logging
 import os
 import signal
 import time
@@ -176,20 +175,8 @@ def test_release_stops_idle_engines_and_keeps_the_plugin(client: Client, ckpt: P
     assert engines_loaded(client) == [1, 1]
 
 
-class Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_disconnect_removes_plugin_and_handlers(client: Client) -> None:
     client.wait_for_workers(2, timeout=60)
-    scheduler_log = Collect()  # the scheduler runs in this process; distributed's loggers do not propagate
-    logging.getLogger("distributed").addHandler(scheduler_log)
-    time.sleep(0.5)  # load pushes are flowing
     bc.disconnect(client)
     assert not client.run_on_scheduler(lambda dask_scheduler: PLUGIN_NAME in dask_scheduler.plugins
                                        or any(h.startswith("batchgen") for h in dask_scheduler.handlers))
@@ -199,9 +186,6 @@ def test_disconnect_removes_plugin_and_handlers(client: Client) -> None:
     bc.connect(client=client)
     assert bc.is_installed(client)
     assert bc.install(client, push_interval=0.1) is True  # new settings: re-registered
-    time.sleep(0.5)
-    logging.getLogger("distributed").removeHandler(scheduler_log)
-    assert not [m for m in scheduler_log.messages if "No handler batchgen" in m]
 
 
 def test_connect_without_address_starts_a_local_cluster_with_the_plugin() -> None:

@@ -143,17 +143,16 @@ class Host:
                                                             "rows": rows})
 
     def _on_done(self, done: list[tuple[RowRef, RequestOutput]]) -> None:
-        remote: dict[str, dict[str, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
         for ref, out in done:
             if ref.owner is None:
                 self._deliver(ref.job_id, ref.row, out)
-            else:
-                remote[ref.owner][ref.job_id].append([ref.row, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)])
+        remote = _by_owner([(ref, [pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)])
+                            for ref, out in done if ref.owner is not None])
         for owner, jobs in remote.items():
             with self._lock:
                 self.counters.returned += sum(len(items) for items in jobs.values())
             if self.transport is not None:
-                self.transport.send(owner, "batchgen_result", {"jobs": dict(jobs)})
+                self.transport.send(owner, "batchgen_result", {"jobs": jobs})
 
     def _deliver(self, job_id: str, row: int, out: RequestOutput) -> None:
         with self._lock:
@@ -211,9 +210,7 @@ class Host:
     def _forward(self, dst: str, spec: EngineSpec, items: list[tuple[RowRef, int, bytes]]) -> None:
         if self.transport is None:
             return
-        by_owner: dict[str, dict[str, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
-        for ref, num_output, state in items:
-            by_owner[ref.owner][ref.job_id].append([ref.row, num_output, state])  # type: ignore[index]
+        by_owner = _by_owner([(ref, [num_output, state]) for ref, num_output, state in items])
         with self._lock:
             self.counters.forwarded += len(items)
         for owner, jobs in by_owner.items():
@@ -221,7 +218,7 @@ class Host:
             # Undelivered, the owner still thinks the rows are here: keep running them (an owner
             # that has really left is noticed by `drop_orphans`, which then drops them).
             self.transport.send(owner, "batchgen_forward", {"holder": self.transport.address, "dst": dst,
-                                                            "spec": spec.to_msg(), "jobs": dict(jobs)},
+                                                            "spec": spec.to_msg(), "jobs": jobs},
                                 on_error=lambda exc, o=owner, b=back: self._forward_failed(o, spec, b))
 
     def _forward_failed(self, owner: str, spec: EngineSpec, items: list[tuple[str, int, bytes]]) -> None:
@@ -362,13 +359,11 @@ class Host:
     def _send_progress(self, items: list[tuple[RowRef, int, bytes]]) -> None:
         if not items or self.transport is None:
             return
-        by_owner: dict[str, dict[str, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
-        for ref, num_output, state in items:
-            by_owner[ref.owner][ref.job_id].append([ref.row, num_output, state])  # type: ignore[index]
+        by_owner = _by_owner([(ref, [num_output, state]) for ref, num_output, state in items])
         with self._lock:
             self.counters.progress_sent += len(items)
         for owner, jobs in by_owner.items():
-            self.transport.send(owner, "batchgen_progress", {"holder": self.transport.address, "jobs": dict(jobs)})
+            self.transport.send(owner, "batchgen_progress", {"holder": self.transport.address, "jobs": jobs})
 
     def receive_progress(self, holder: str, jobs: dict[str, list[list[Any]]]) -> None:
         n = 0
@@ -439,3 +434,12 @@ class Host:
             idle = not self._jobs
         if idle:
             self.engines.stop_all()
+
+
+def _by_owner(items: list[tuple[RowRef, list[Any]]]) -> dict[str, dict[str, list[list[Any]]]]:
+    """[(ref, fields)] of rows held for other workers -> {owner: {job_id: [[row, *fields]]}}, the
+    shape of the result / forward / progress messages."""
+    grouped: dict[str, dict[str, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
+    for ref, fields in items:
+        grouped[ref.owner][ref.job_id].append([ref.row, *fields])  # type: ignore[index]
+    return {owner: dict(jobs) for owner, jobs in grouped.items()}

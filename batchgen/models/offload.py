@@ -130,5 +130,4 @@ def plan_offload(moe_layers: dict[int, MoEWeights], budget: int | None, device: 
         w13, w2 = f.w13.cpu(), f.w2.cpu()  # type: ignore[union-attr]
         f.w13 = f.w2 = None  # the cache's host copy is the only one from here on
         host[i] = HostExperts(w13.pin_memory() if pin else w13, w2.pin_memory() if pin else w2)
-        del w13, w2
     return ExpertCache(host, device, budget // per_expert)
