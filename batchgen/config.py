@@ -10,6 +10,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask.config
+from dask.utils import parse_bytes
+
+# byte counts that may also be given as human sizes
+BYTE_FIELDS = ("kv_cache_bytes", "swap_space_bytes", "expert_memory_bytes", "expert_host_memory_bytes")
+
+
+def parse_size(text: str, name: str) -> int:
+    """'2GiB' -> 2147483648 (dask's units: GiB = 2**30, GB = 10**9); ValueError naming `name`."""
+    try:
+        value = parse_bytes(text)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name} must be a byte count or a size like '2GiB', got {text!r}") from exc
+    if value < 1:
+        raise ValueError(f"{name} must be a positive size, got {text!r}")
+    return int(value)
 
 
 @dataclass(slots=True)
@@ -35,15 +50,26 @@ class EngineConfig:
     # migrate: a coroutine's KV travels when sending it beats recomputing it at this link speed
     kv_link_bytes_per_s: int = 1_000_000_000
     seed: int = 0  # draws the seeds of requests that set none
-    # Device bytes for routed-expert weights. None: every expert resident. Less than the experts
-    # need: they stay in host memory and stream through a pool this size (at least one MoE
-    # layer's experts), the expert needed furthest ahead out first (models/offload.py).
+    # Routed experts tiered over device, host and disk (batchgen/offload). expert_memory_bytes:
+    # device bytes for them (None: as many as they need); below that they stream through a
+    # device pool this size from host memory. expert_host_memory_bytes: host bytes for them
+    # (None: all of them); below that the rest stay in the checkpoint's safetensors files and
+    # are read per expert. On a CPU device the host budget alone is the pool the kernel reads.
+    # Each budget must hold one MoE layer's experts. Both None: everything resident.
     expert_memory_bytes: int | None = None
+    expert_host_memory_bytes: int | None = None
+    expert_eviction: str = "routing"  # or "layer-order" (offload/policy.py)
+    expert_prefetch: str = "history"  # next-layer predictor: "history", "router" or "none"
+    expert_io_threads: int = 1  # reader threads for experts on disk
     # Where MALLOC_TRIM_THRESHOLD_ is set (Dask workers), raise glibc's mmap/trim thresholds for
     # this process so activations reuse heap blocks instead of faulting in fresh pages (malloc.py).
     restore_heap_reuse: bool = True
 
     def __post_init__(self) -> None:
+        for name in BYTE_FIELDS:  # human sizes ("2GiB", "512 MB") become byte counts
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, parse_size(value, f"EngineConfig.{name}"))
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ValueError(f"EngineConfig.swap_space_bytes must be an integer >= 0, got {self.swap_space_bytes!r}")
         for name in ("block_size", "kv_link_bytes_per_s", "host_link_bytes_per_s", "max_num_seqs", "max_num_batched_tokens"):
@@ -52,7 +78,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "attention_kv_tokens", "expert_memory_bytes"):
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "attention_kv_tokens", "expert_memory_bytes",
+                     "expert_host_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer or None, got {value!r}")

@@ -22,10 +22,11 @@ from .errors import RequestError
 from .malloc import restore_heap_reuse
 from .models.info import ModelInfo
 from .models.model import Model
+from .offload import ExpertReadError, StoreOptions
 from .outputs import RequestOutput
 from .runtime.executor import Executor
 from .runtime.kv_cache import BlockAllocator
-from .runtime.policy import Scheduler, SchedulerConfig, prefer_transfer
+from .runtime.policy import Plan, ScheduledSeq, Scheduler, SchedulerConfig, prefer_transfer
 from .runtime.requests import check_length, check_params, prompt_to_ids
 from .runtime.sequence import SeqId, SeqStatus, Sequence
 from .runtime.stats import RuntimeStats
@@ -44,7 +45,9 @@ class Engine:
         if self.config.restore_heap_reuse:
             restore_heap_reuse()  # process-wide, once: see malloc.py (Dask workers run 1.34x slower without)
         path = Path(model).expanduser()
-        self.model = Model.load(path, self.config.dtype, self.config.device, self.config.expert_memory_bytes)
+        c = self.config
+        self.model = Model.load(path, c.dtype, c.device, c.expert_memory_bytes, c.expert_host_memory_bytes,
+                                StoreOptions(c.expert_eviction, c.expert_prefetch, c.expert_io_threads))
         info = ModelInfo.for_spec(path, self.model.spec, self.config.max_model_len)
         self.model_dir, self.tokenizer, self.eos_token_ids = path, info.tokenizer, info.eos_token_ids
         self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len
@@ -111,8 +114,12 @@ class Engine:
         for item in plan.scheduled:
             if item.seq.num_computed == 0 and item.seq.num_preemptions == 0 and not item.seq.output_ids:
                 self.stats.prompt_tokens += len(item.seq.prompt_ids)
-        samplers, logits = self.executor.execute(plan)
+        samplers, logits, failed = self._execute(plan.scheduled)
         finished: list[Sequence] = []
+        for seq, why in failed:
+            self._release(seq)
+            seq.finish("error", why)
+            finished.append(seq)
         if samplers:
             seqs = [item.seq for item in samplers]
             result = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
@@ -124,6 +131,22 @@ class Engine:
                     finished.append(seq)
         self._busy_s += time.perf_counter() - t0
         return finished
+
+    def _execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor, list[tuple[Sequence, str]]]:
+        """Run a forward; -> (samplers, their logits, rows failed with why). An expert that
+        cannot be read from disk fails only the rows that route to it: rows are independent,
+        so the forward is split in halves and rerun until each failing row stands alone (the
+        halves recompute exactly what the whole would have; nothing is advanced on failure)."""
+        try:
+            samplers, logits = self.executor.execute(Plan(scheduled=scheduled))
+            return samplers, logits, []
+        except ExpertReadError as exc:
+            if len(scheduled) == 1:
+                return [], torch.empty(0, self.vocab_size), [(scheduled[0].seq, f"model weights unreadable: {exc}")]
+        half = len(scheduled) // 2
+        a, b = self._execute(scheduled[:half]), self._execute(scheduled[half:])
+        logits = torch.cat([a[1], b[1]]) if a[0] and b[0] else (a[1] if a[0] else b[1])
+        return a[0] + b[0], logits, a[2] + b[2]
 
     def _maybe_swap_out(self, seq: Sequence, blocks: list[int], num_computed: int) -> None:
         """Keep an evicted coroutine's KV in host memory when that beats recomputing it."""
@@ -342,8 +365,13 @@ class Engine:
 
     def stats_summary(self) -> dict[str, float]:
         summary = self.stats.summary()
-        if self.model.experts is not None:  # experts spilled to host memory
-            cache = self.model.experts.stats
-            summary.update(expert_hits=cache.hits, expert_loads=cache.loads, expert_bytes_loaded=cache.bytes_loaded,
-                           expert_pool_slots=self.model.experts.slots)
+        if self.model.experts is not None:  # experts tiered over device / host / disk
+            summary.update(self.model.experts.summary(self.stats.generated_tokens))
+            busy = self._busy_s
+            summary["expert_fetch_wait_fraction"] = summary["expert_fetch_wait_s"] / busy if busy > 0 else 0.0
         return summary
+
+    def close(self) -> None:
+        """Stop the expert reader threads and close the checkpoint files they read."""
+        if self.model.experts is not None:
+            self.model.experts.close()

@@ -87,10 +87,14 @@ def _mlp(src: _TensorSource, prefix: str, names: tuple[str, str, str], dt: torch
     )
 
 
-def _moe(src: _TensorSource, spec: ModelSpec, ffn: MoESpec, prefix: str, dt: torch.dtype) -> MoEWeights:
+def _moe(src: _TensorSource, spec: ModelSpec, ffn: MoESpec, prefix: str, dt: torch.dtype,
+         routed_experts: bool = True) -> MoEWeights:
     E = ffn.router.num_experts
     g, u, d = spec.expert_names
-    if src.has(f"{prefix}.experts.gate_up_proj"):
+    w13 = w2 = None
+    if not routed_experts:
+        pass  # left on disk: the expert store (batchgen/offload) reads them one at a time
+    elif src.has(f"{prefix}.experts.gate_up_proj"):
         w13, w2 = src.get(f"{prefix}.experts.gate_up_proj", dt), src.get(f"{prefix}.experts.down_proj", dt)
     else:
         w13 = torch.stack([torch.cat([src.get(f"{prefix}.experts.{e}.{g}.weight", dt),
@@ -102,7 +106,7 @@ def _moe(src: _TensorSource, spec: ModelSpec, ffn: MoESpec, prefix: str, dt: tor
         shared = _mlp(src, f"{prefix}.{name}", ("gate_proj", "up_proj", "down_proj"), dt)
     return MoEWeights(
         router=src.get(f"{prefix}.gate.weight", torch.float32),
-        w13=w13.contiguous(), w2=w2.contiguous(),
+        w13=w13.contiguous() if w13 is not None else None, w2=w2.contiguous() if w2 is not None else None,
         correction_bias=src.get(f"{prefix}.gate.e_score_correction_bias", torch.float32)
         if ffn.router.has_correction_bias else None,
         shared=shared,
@@ -141,7 +145,9 @@ def _mla(src: _TensorSource, p: str, a: MLASpec, dt: torch.dtype) -> MLAWeights:
     )
 
 
-def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 routed_experts: bool = True) -> ModelWeights:
+    """routed_experts False: MoE layers' routed experts are not read (w13/w2 None)."""
     with ExitStack() as stack:
         src = _TensorSource(model_dir, stack)
         embed = src.get("model.embed_tokens.weight", dtype)
@@ -160,7 +166,7 @@ def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: t
             a = ls.attention
             attn = _gqa(src, f"{p}.self_attn", a, dtype) if isinstance(a, GQASpec) else _mla(src, f"{p}.self_attn", a, dtype)
             if isinstance(ls.ffn, MoESpec):
-                ffn: MLPWeights | MoEWeights = _moe(src, spec, ls.ffn, f"{p}.{spec.ffn_prefix}", dtype)
+                ffn: MLPWeights | MoEWeights = _moe(src, spec, ls.ffn, f"{p}.{spec.ffn_prefix}", dtype, routed_experts)
             else:
                 ffn = _mlp(src, f"{p}.mlp", ("gate_proj", "up_proj", "down_proj"), dtype)
             layers.append(LayerWeights(src.get(f"{p}.input_layernorm.weight", dtype),

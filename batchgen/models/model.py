@@ -19,8 +19,8 @@ from .attention import AttentionBatch, gqa_attention
 from .layers import mlp, rms_norm
 from .loader import load_spec, load_weights, resolve_dtype, to_device
 from .mla import mla_attention
-from .moe import moe
-from .offload import ExpertCache, plan_offload
+from ..offload import ExpertStore, HostExperts, StoreOptions, build_store, expert_tier_plan
+from .moe import moe, route
 from .rope import RotaryEmbedding
 from .spec import GQASpec, MoESpec, ModelSpec
 from .weights import MLPWeights, ModelWeights, MoEWeights
@@ -28,32 +28,67 @@ from .weights import MLPWeights, ModelWeights, MoEWeights
 
 class Model:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
-                 config: dict, experts: ExpertCache | None = None) -> None:
+                 config: dict, experts: ExpertStore | None = None) -> None:
         self.spec, self.weights, self.device, self.dtype, self.config = spec, weights, device, dtype, config
-        self.experts = experts  # routed experts spilled to host memory; None: all resident
+        self.experts = experts  # routed experts tiered over device / host / disk; None: all resident
         self.rotary = RotaryEmbedding(spec.rope, spec.max_position_embeddings, device)
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
-             device: str | torch.device | None = None, expert_memory_bytes: int | None = None) -> "Model":
-        """expert_memory_bytes: device bytes for routed experts; below what they need, they stay
-        in host memory and stream through a pool of that size (models/offload.py)."""
+             device: str | torch.device | None = None, expert_memory_bytes: int | None = None,
+             expert_host_memory_bytes: int | None = None, expert_options: StoreOptions | None = None) -> "Model":
+        """expert_memory_bytes / expert_host_memory_bytes: device and host bytes for routed
+        experts; what does not fit stays in the tier below (host memory, then the checkpoint on
+        disk) and streams through the store (batchgen/offload)."""
         path = Path(model_dir).expanduser()
         cfg, spec = load_spec(path)
         torch_dtype = resolve_dtype(dtype, cfg)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        moe_specs = {i: ls.ffn for i, ls in enumerate(spec.layers) if isinstance(ls.ffn, MoESpec)}
+        num_experts = {i: f.router.num_experts for i, f in moe_specs.items()}
+        widths = {f.intermediate_size for f in moe_specs.values()}
+        plan = None
+        if moe_specs and (expert_memory_bytes is not None or expert_host_memory_bytes is not None):
+            if len(widths) != 1:
+                raise ModelLoadError(f"expert offload needs one expert shape across MoE layers, found {sorted(widths)}")
+            n, h = widths.pop(), spec.hidden_size
+            shapes = (2 * n, h), (h, n)
+            plan = expert_tier_plan(num_experts, *shapes, torch_dtype, dev, expert_memory_bytes,
+                                    expert_host_memory_bytes)
         host = torch.device("cpu")
         try:
-            weights = load_weights(path, spec, torch_dtype, host if expert_memory_bytes is not None else dev)
+            weights = load_weights(path, spec, torch_dtype, host if plan is not None else dev,
+                                   routed_experts=plan is None or not plan.from_disk)
         except RuntimeError as exc:  # shape mismatches surface as torch errors
             raise ModelLoadError(f"weights in {str(path)!r} do not match config.json: {exc}") from exc
         experts = None
-        if expert_memory_bytes is not None:
-            moe_layers = {i: lw.ffn for i, lw in enumerate(weights.layers) if isinstance(lw.ffn, MoEWeights)}
-            experts = plan_offload(moe_layers, expert_memory_bytes, dev)
+        if plan is not None:
+            host_experts = None
+            if not plan.from_disk:
+                host_experts = {}
+                pin = dev.type == "cuda"
+                for i in moe_specs:  # one layer at a time: the host never holds two copies of more
+                    f = weights.layers[i].ffn
+                    assert isinstance(f, MoEWeights) and f.w13 is not None and f.w2 is not None
+                    w13, w2 = f.w13, f.w2
+                    f.w13 = f.w2 = None  # the store's host copy is the only one from here on
+                    host_experts[i] = HostExperts(w13.pin_memory() if pin else w13, w2.pin_memory() if pin else w2)
             if dev.type != "cpu":
                 weights = to_device(weights, dev)
+            prefixes = {i: f"model.layers.{i}.{spec.ffn_prefix}" for i in moe_specs}
+            experts = build_store(plan, path, num_experts, prefixes, spec.expert_names, *shapes, torch_dtype, dev,
+                                  host_experts, expert_options or StoreOptions(),
+                                  lambda layer, x: cls._route_ids(weights, moe_specs, layer, x))
         return cls(spec, weights, dev, torch_dtype, cfg, experts)
+
+    @staticmethod
+    def _route_ids(weights: ModelWeights, moe_specs: dict[int, MoESpec], layer: int, x: torch.Tensor) -> list[int]:
+        """Experts `layer`'s router picks for hidden states x [T, H] (the store's early-router
+        prefetch predictor: run on the stage before, it guesses what `layer` will need)."""
+        f = weights.layers[layer].ffn
+        assert isinstance(f, MoEWeights)
+        _, ids = route(x, f.router, moe_specs[layer].router, f.correction_bias)
+        return torch.unique(ids).tolist()
 
     @property
     def num_layers(self) -> int:
@@ -81,7 +116,7 @@ class Model:
         x = rms_norm(hidden, w.post_norm, self.spec.rms_norm_eps)
         if isinstance(spec, MoESpec):
             cache = self.experts
-            fetch = (lambda ids: cache.fetch(layer, ids)) if cache is not None else None
+            fetch = (lambda ids: cache.fetch(layer, x, ids)) if cache is not None else None
             return hidden + moe(x, w.ffn, spec, on_route, fetch)  # type: ignore[arg-type]
         assert isinstance(w.ffn, MLPWeights)
         return hidden + mlp(x, w.ffn)

@@ -1,0 +1,335 @@
+"""ExpertStore: routed experts tiered over a device pool, host memory and the checkpoint on disk.
+
+    disk (checkpoint, read per expert) --reader threads--> host (pinned on CUDA) --copy--> device pool
+
+A MoE stage asks for the experts its combined tokens route to (`fetch`); each missing one is
+brought once into the device pool, from the host tier when it is there, else from disk, and the
+kernel runs on the pool with token->expert ids remapped to slots. Because the runtime runs each
+layer's MoE stage once on all attention micro-batches of a forward, one copy serves the whole
+expert batch.
+
+After a stage, the experts the next MoE layer will probably need are fetched ahead: from disk
+into host memory by reader threads (both devices), and on CUDA from host into the device pool
+on a side stream. Which experts: the next layer's recent routing (`history`), or its router run
+early on this stage's hidden state (`router`). A fetch that finds its expert still in flight
+waits for it; that wait is the time reported as `expert_fetch_wait_s`.
+
+Eviction (offload/policy.py) weighs how likely an expert is needed again against how soon its
+layer runs; it never evicts what the current stage needs or a slot a read is filling.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .disk import DiskExperts, ExpertReadError
+from .policy import EVICTIONS, PREDICTORS, RoutingStats, TierPlan, next_moe_layer
+from .pool import Key, Pending, SlotPool
+
+RouterPredict = Callable[[int, torch.Tensor], list[int]]  # (MoE layer, hidden [T, H]) -> expert ids
+
+
+@dataclass(slots=True)
+class HostExperts:
+    """One MoE layer's routed experts, all in host memory."""
+
+    w13: torch.Tensor  # [E, 2N, H]
+    w2: torch.Tensor  # [E, H, N]
+
+
+@dataclass(slots=True)
+class StoreStats:
+    stages: int = 0
+    experts_needed: int = 0
+    device_hits: int = 0
+    host_hits: int = 0  # device misses found in host memory
+    host_lookups: int = 0  # device misses looked up in the host tier
+    disk_reads: int = 0
+    bytes_from_disk: int = 0
+    bytes_from_host: int = 0  # host -> device pool copies
+    predicted: int = 0  # experts the predictor named for a coming stage
+    predicted_used: int = 0  # ... that the stage then needed
+    prefetch_reads: int = 0
+    prefetch_reads_used: int = 0
+    fetch_wait_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOptions:
+    eviction: str = "routing"
+    predictor: str = "history"
+    io_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"expert_eviction must be one of {EVICTIONS}, got {self.eviction!r}")
+        if self.predictor not in PREDICTORS:
+            raise ValueError(f"expert_prefetch must be one of {PREDICTORS}, got {self.predictor!r}")
+        if not isinstance(self.io_threads, int) or self.io_threads < 1:
+            raise ValueError(f"expert_io_threads must be a positive integer, got {self.io_threads!r}")
+
+
+class ExpertStore:
+    def __init__(self, plan: TierPlan, num_experts: dict[int, int], w13_shape: tuple[int, int],
+                 w2_shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                 host_experts: dict[int, HostExperts] | None = None, disk: DiskExperts | None = None,
+                 options: StoreOptions = StoreOptions(), router_predict: RouterPredict | None = None) -> None:
+        """num_experts: MoE layer -> routed experts. host_experts: every layer's experts in host
+        memory (plan.host_slots None); disk: the checkpoint reader (plan.host_slots set)."""
+        if (host_experts is None) == (disk is None):
+            raise ValueError("ExpertStore needs exactly one of host_experts and disk")
+        self.plan, self.num_experts, self.options = plan, num_experts, options
+        self.device, self.dtype = device, dtype
+        self.order = sorted(num_experts)  # forward order of the MoE layers
+        self.positions = {layer: i for i, layer in enumerate(self.order)}
+        self.host_experts, self.disk, self.router_predict = host_experts, disk, router_predict
+        cuda = device.type == "cuda"
+        self.host: SlotPool | None = None
+        if disk is not None:
+            assert plan.host_slots is not None
+            self.host = SlotPool(plan.host_slots, w13_shape, w2_shape, dtype, torch.device("cpu"), pin=cuda)
+        self.pool = self.host if plan.shared else SlotPool(plan.device_slots, w13_shape, w2_shape, dtype, device)
+        assert self.pool is not None
+        self.slots, self.expert_bytes = self.pool.slots, self.pool.expert_bytes
+        self.routing = RoutingStats()
+        self.stats = StoreStats()
+        self._tick = 0
+        self._predicted: dict[int, set[int]] = {}  # MoE layer -> experts named for its next stage
+        self._prefetched: set[Key] = set()  # read ahead and not yet used
+        self._readers = ThreadPoolExecutor(options.io_threads, thread_name_prefix="batchgen-expert-io") \
+            if disk is not None else None
+        self._copy_stream = torch.cuda.Stream(device) if cuda else None
+
+    # -- a MoE stage ------------------------------------------------------------------------------
+    def fetch(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """topk_ids [T, A] of `layer` -> (pool w13 [S, 2N, H], pool w2 [S, H, N], ids remapped
+        to pool slots [T, A]), every needed expert in the pool. x [T, H]: the stage's input (the
+        router predictor reads it). Raises ExpertReadError when an expert cannot be read."""
+        t0 = time.perf_counter()
+        self._tick += 1
+        st = self.stats
+        needed = torch.unique(topk_ids).tolist()
+        self._score_prediction(layer, needed)
+        self.routing.observe(layer, self.num_experts[layer], needed)
+        self._land_reads()
+        keep = {(layer, e) for e in needed}
+        for e in needed:  # reads ahead into the pool itself (shared tier) that this stage needs
+            if (layer, e) in self.pool.pending:
+                self._wait((layer, e), self.pool)
+        missing = [e for e in needed if not self.pool.holds((layer, e))]
+        st.stages += 1
+        st.experts_needed += len(needed)
+        st.device_hits += len(needed) - len(missing)
+        if missing:
+            slots = self.pool.take(len(missing), keep, self.positions[layer], self.positions,
+                                   self.options.eviction, self.routing)
+            for i, (e, slot) in enumerate(zip(missing, slots)):
+                try:
+                    self._fill(layer, e, slot, keep)
+                except BaseException:
+                    for unused in slots[i:]:
+                        self.pool.release(unused)
+                    raise
+                self.pool.put((layer, e), slot, self._tick)
+        for e in needed:
+            key = (layer, e)
+            self.pool.last_use[key] = self._tick
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                st.prefetch_reads_used += 1
+        self._wait_device_copies(needed, layer)
+        lut = torch.zeros(self.num_experts[layer], dtype=torch.long)
+        lut[needed] = torch.tensor([self.pool.where[(layer, e)] for e in needed], dtype=torch.long)
+        st.fetch_wait_s += time.perf_counter() - t0
+        self._prefetch_after(layer, x, keep)
+        return self.pool.w13, self.pool.w2, lut.to(topk_ids.device)[topk_ids]
+
+    def _fill(self, layer: int, e: int, slot: int, keep: set[Key]) -> None:
+        """Bring expert e of `layer` into device slot `slot`."""
+        st, key = self.stats, (layer, e)
+        if self.plan.shared:  # the pool is the host cache: straight from disk
+            st.bytes_from_disk += self._read(layer, e, slot)
+            return
+        if self.host_experts is not None:
+            src13, src2 = self.host_experts[layer].w13[e], self.host_experts[layer].w2[e]
+        else:
+            host = self.host
+            assert host is not None
+            st.host_lookups += 1
+            if key in host.pending:
+                self._wait(key, host)
+            if host.holds(key):
+                st.host_hits += 1
+            else:
+                [hslot] = host.take(1, keep, self.positions[layer], self.positions, self.options.eviction, self.routing)
+                try:
+                    st.bytes_from_disk += self._read(layer, e, hslot, host)
+                except BaseException:
+                    host.release(hslot)
+                    raise
+                host.put(key, hslot, self._tick)
+            host.last_use[key] = self._tick
+            src13, src2 = host.w13[host.where[key]], host.w2[host.where[key]]
+        self.pool.w13[slot].copy_(src13, non_blocking=True)
+        self.pool.w2[slot].copy_(src2, non_blocking=True)
+        st.bytes_from_host += self.expert_bytes
+        if self._copy_stream is not None and self.host is not None:
+            event = torch.cuda.Event()  # the pinned host slot must not be refilled before this copy lands
+            event.record(torch.cuda.current_stream(self.device))
+            self.host.ready_events[self.host.where[key]] = event
+
+    def _read(self, layer: int, e: int, slot: int, pool: SlotPool | None = None) -> int:
+        pool = pool or self.pool
+        assert self.disk is not None
+        self.stats.disk_reads += 1
+        return self.disk.read(layer, e, pool.w13[slot], pool.w2[slot])
+
+    # -- reads ahead ------------------------------------------------------------------------------
+    def _prefetch_after(self, layer: int, x: torch.Tensor, keep: set[Key]) -> None:
+        """Start fetching what the next MoE layer will probably need."""
+        if self.options.predictor == "none" or len(self.order) < 1:
+            return
+        nxt = next_moe_layer(layer, self.order)
+        if self.options.predictor == "router" and self.router_predict is not None:
+            predicted = self.router_predict(nxt, x)
+        else:
+            predicted = self.routing.predict(nxt)
+        self._predicted[nxt] = set(predicted)
+        if self.host is not None:
+            self._read_ahead(nxt, predicted, keep)
+        if self._copy_stream is not None:
+            self._copy_ahead(nxt, predicted, keep)
+
+    def _read_ahead(self, layer: int, experts: list[int], keep: set[Key]) -> None:
+        """Disk -> host tier in the reader threads, into slots reserved now (this thread owns
+        all bookkeeping; a reader only fills the slot it was given)."""
+        host, disk, readers = self.host, self.disk, self._readers
+        assert host is not None and disk is not None and readers is not None
+        wanted = [e for e in experts if not host.holds((layer, e)) and (layer, e) not in host.pending
+                  and not (not self.plan.shared and self.pool.holds((layer, e)))]
+        protect = keep | {(layer, e) for e in experts}
+        count = min(len(wanted), host.num_evictable(protect))
+        if count <= 0:
+            return
+        slots = host.take(count, protect, self.positions[layer], self.positions, self.options.eviction, self.routing)
+        for e, slot in zip(wanted, slots):
+            future = readers.submit(disk.read, layer, e, host.w13[slot], host.w2[slot])
+            host.pending[(layer, e)] = Pending(slot, future)
+
+    def _copy_ahead(self, layer: int, experts: list[int], keep: set[Key]) -> None:
+        """CUDA: host tier -> device pool on a side stream, for predicted experts already in host
+        memory. The side stream first waits for the compute stream, so no slot is overwritten
+        while a kernel before it still reads it; the compute stream waits on the slot's event
+        before its own kernel reads it (_wait_device_copies)."""
+        stream = self._copy_stream
+        assert stream is not None
+        sources = []
+        for e in experts:
+            key = (layer, e)
+            if self.pool.holds(key):
+                continue
+            if self.host_experts is not None:
+                sources.append((e, self.host_experts[layer].w13[e], self.host_experts[layer].w2[e], None))
+            elif self.host is not None and self.host.holds(key):
+                hslot = self.host.where[key]
+                sources.append((e, self.host.w13[hslot], self.host.w2[hslot], hslot))
+        protect = keep | {(layer, e) for e in experts}
+        count = min(len(sources), self.pool.num_evictable(protect))
+        if count <= 0:
+            return
+        slots = self.pool.take(count, protect, self.positions[layer], self.positions, self.options.eviction, self.routing)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for (e, w13, w2, hslot), slot in zip(sources, slots):
+                self.pool.w13[slot].copy_(w13, non_blocking=True)
+                self.pool.w2[slot].copy_(w2, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self.pool.ready_events[slot] = event
+                if hslot is not None and self.host is not None:
+                    self.host.ready_events[hslot] = event  # the host slot must outlive the copy
+                self.pool.put((layer, e), slot, self._tick)
+                self._prefetched.add((layer, e))
+                self.stats.bytes_from_host += self.expert_bytes
+                self.stats.prefetch_reads += 1
+
+    def _wait_device_copies(self, needed: list[int], layer: int) -> None:
+        if self._copy_stream is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        for e in needed:
+            event = self.pool.ready_events.get(self.pool.where[(layer, e)])
+            if event is not None:
+                current.wait_event(event)  # type: ignore[arg-type]
+
+    def _land_reads(self) -> None:
+        """Reads ahead that have finished become residents; failed ones give their slot back
+        (the expert is read again, and its error raised, if a stage really needs it)."""
+        host = self.host
+        if host is None:
+            return
+        for key, pending in list(host.pending.items()):
+            if pending.future.done():
+                self._settle(key, host, pending)
+
+    def _wait(self, key: Key, pool: SlotPool) -> None:
+        pending = pool.pending[key]
+        try:
+            pending.future.result()
+        except ExpertReadError:
+            pass  # _settle frees the slot; the caller reads it again and raises there
+        self._settle(key, pool, pending)
+
+    def _settle(self, key: Key, pool: SlotPool, pending: Pending) -> None:
+        del pool.pending[key]
+        error = pending.future.exception()
+        if error is not None:
+            pool.release(pending.slot)
+            return
+        pool.put(key, pending.slot, self._tick)
+        self.stats.bytes_from_disk += pending.future.result()
+        self.stats.disk_reads += 1
+        self.stats.prefetch_reads += 1
+        self._prefetched.add(key)
+
+    def _score_prediction(self, layer: int, needed: list[int]) -> None:
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            self.stats.predicted += len(predicted)
+            self.stats.predicted_used += len(predicted.intersection(needed))
+
+    # -- reporting --------------------------------------------------------------------------------
+    def summary(self, generated_tokens: int) -> dict[str, float]:
+        st = self.stats
+        per_token = max(generated_tokens, 1)
+        out = {
+            "expert_pool_slots": self.slots,
+            "expert_host_slots": self.plan.host_slots if self.plan.host_slots is not None else self.plan.total_experts,
+            "expert_hit_rate_device": st.device_hits / st.experts_needed if st.experts_needed else 0.0,
+            "expert_hit_rate_host": st.host_hits / st.host_lookups if st.host_lookups else 0.0,
+            "expert_bytes_from_disk": st.bytes_from_disk,
+            "expert_bytes_from_host": st.bytes_from_host,
+            "expert_bytes_from_disk_per_token": st.bytes_from_disk / per_token,
+            "expert_bytes_from_host_per_token": st.bytes_from_host / per_token,
+            "expert_disk_reads": st.disk_reads,
+            "expert_prefetch_accuracy": st.predicted_used / st.predicted if st.predicted else 0.0,
+            "expert_prefetch_reads": st.prefetch_reads,
+            "expert_prefetch_reads_used": st.prefetch_reads_used,
+            "expert_fetch_wait_s": st.fetch_wait_s,
+        }
+        return out
+
+    def resident(self, layer: int) -> list[int]:
+        """Experts of `layer` in the device pool now."""
+        return self.pool.resident(layer)
+
+    def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True, cancel_futures=True)
+            self._readers = None
+        if self.disk is not None:
+            self.disk.close()
