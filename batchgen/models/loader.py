@@ -70,7 +70,10 @@ class _TensorSource:
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         if name not in self._where:
             raise ModelLoadError(f"weights lack tensor {name!r}")
-        return self._where[name].get_tensor(name).to(dtype)
+        tensor = self._where[name].get_tensor(name)
+        # safetensors hands out views of its memory map; a copy keeps a running engine safe from
+        # the file changing under it (a truncated mapped file raises SIGBUS, which kills the process)
+        return tensor.to(dtype) if tensor.dtype != dtype else tensor.clone()
 
     def maybe(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         return self.get(name, dtype) if name in self._where else None

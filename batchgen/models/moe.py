@@ -53,7 +53,7 @@ def moe(x: torch.Tensor, w: MoEWeights, spec: MoESpec,
 
     on_route receives topk_ids [T, A] (the runtime counts tokens per expert call with it).
     fetch: for experts spilled to host memory, topk_ids -> (w13, w2, ids) of a device pool
-    holding every expert those ids need (ExpertCache.fetch).
+    holding every expert those ids need (batchgen.offload.ExpertStore.fetch).
     """
     weights, ids = route(x, w.router, spec.router, w.correction_bias)
     if on_route is not None:

@@ -19,7 +19,7 @@ class MLPWeights:
 @dataclass(slots=True)
 class MoEWeights:
     router: Tensor  # [E, H] (kept fp32, as transformers routes in fp32)
-    w13: Tensor | None  # [E, 2N, H]: gate rows then up rows of each expert; None: in the ExpertCache
+    w13: Tensor | None  # [E, 2N, H]: gate rows then up rows of each expert; None: in the expert store (batchgen/offload)
     w2: Tensor | None  # [E, H, N]
     correction_bias: Tensor | None = None  # [E] deepseek_v3
     shared: MLPWeights | None = None
