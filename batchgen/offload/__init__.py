@@ -5,17 +5,29 @@ Applied to a loaded model: models/model.py asks `build_store` for an ExpertStore
 """
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    from pathlib import Path
 
-from ..errors import ModelLoadError
-from .disk import DiskExperts, ExpertReadError
-from .policy import BudgetError, TierPlan, plan_tiers
-from .store import ExpertStore, HostExperts, RouterPredict, StoreOptions
+    import torch
+
+    from .policy import TierPlan
+    from .store import ExpertStore, HostExperts, RouterPredict, StoreOptions
 
 __all__ = ["ExpertStore", "ExpertReadError", "HostExperts", "StoreOptions", "TierPlan", "expert_tier_plan",
            "build_store"]
+_LAZY = {"ExpertStore": ".store", "HostExperts": ".store", "StoreOptions": ".store", "ExpertReadError": ".disk",
+         "TierPlan": ".policy"}
+
+
+def __getattr__(name: str) -> Any:
+    """Classes load on first use: `import batchgen.offload.policy` must not import torch."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(name)
 
 
 def expert_tier_plan(num_experts: dict[int, int], w13_shape: tuple[int, int], w2_shape: tuple[int, int],
@@ -23,6 +35,9 @@ def expert_tier_plan(num_experts: dict[int, int], w13_shape: tuple[int, int], w2
                      host_budget: int | None) -> TierPlan | None:
     """The tiers the budgets give this model (None: every expert resident); a budget below one
     MoE layer's experts fails with ModelLoadError naming the minimum."""
+    from ..errors import ModelLoadError
+    from .policy import BudgetError, plan_tiers
+
     if not num_experts or (device_budget is None and host_budget is None):
         return None
     expert_bytes = (w13_shape[0] * w13_shape[1] + w2_shape[0] * w2_shape[1]) * dtype.itemsize
@@ -37,6 +52,9 @@ def build_store(plan: TierPlan, model_dir: Path, num_experts: dict[int, int], la
                 expert_names: tuple[str, str, str], w13_shape: tuple[int, int], w2_shape: tuple[int, int],
                 dtype: torch.dtype, device: torch.device, host_experts: dict[int, HostExperts] | None,
                 options: StoreOptions, router_predict: RouterPredict | None) -> ExpertStore:
+    from .disk import DiskExperts
+    from .store import ExpertStore
+
     disk = None
     if plan.from_disk:
         disk = DiskExperts(model_dir, layer_prefixes, num_experts, expert_names, w13_shape, w2_shape)
