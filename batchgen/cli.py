@@ -96,6 +96,19 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                          help="start a local Dask cluster of N worker processes and run on it")
     g.add_argument("--progress", choices=["auto", "bar", "lines", "off"], default="auto",
                    help="progress on stderr: a bar on a terminal, periodic lines otherwise")
+    off = p.add_argument_group("memory-constrained MoE", "routed experts tiered over device, host memory and "
+                               "the checkpoint on disk; sizes like 2GiB, 512MB or a byte count")
+    off.add_argument("--expert-memory", type=_size, metavar="SIZE", dest="expert_memory_bytes",
+                     help="device memory for routed experts; the rest stream in from host memory")
+    off.add_argument("--expert-host-memory", type=_size, metavar="SIZE", dest="expert_host_memory_bytes",
+                     help="host memory for routed experts; the rest are read from the checkpoint on disk "
+                          "as needed (on a CPU device this is the experts' whole footprint)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments the flags set (unset ones left to the defaults)."""
+    names = ("dtype", "device", "expert_memory_bytes", "expert_host_memory_bytes")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -159,8 +172,11 @@ def _execute(spec: JobSpec, model: str | Path, args: argparse.Namespace) -> JobS
         return _execute_on_cluster(spec, model, args)
     from batchgen.engine import Engine
 
-    engine = Engine(model, dtype=args.dtype, device=args.device)  # ModelLoadError: exit 2
-    return run_file_job(spec, engine, chunk_size=args.chunk_size, progress=args.progress)
+    engine = Engine(model, **engine_options(args))  # ModelLoadError: exit 2
+    try:
+        return run_file_job(spec, engine, chunk_size=args.chunk_size, progress=args.progress)
+    finally:
+        engine.close()
 
 
 def _execute_on_cluster(spec: JobSpec, model: str | Path, args: argparse.Namespace) -> JobSummary:
@@ -174,7 +190,7 @@ def _execute_on_cluster(spec: JobSpec, model: str | Path, args: argparse.Namespa
     from batchgen.models.info import ModelInfo
 
     info = ModelInfo.load(model)  # ModelLoadError / UnsupportedModelError: exit 2, before any work
-    options = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v is not None}
+    options = engine_options(args)
     cluster = None if args.scheduler else local_cluster(args.workers)
     try:
         client = Client(args.scheduler) if args.scheduler else Client(cluster)
@@ -233,6 +249,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
+
+
+def _size(text: str) -> int:
+    from batchgen.config import parse_size
+
+    try:
+        return parse_size(text, "size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _positive(text: str) -> int:

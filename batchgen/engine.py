@@ -371,6 +371,18 @@ class Engine:
             summary["expert_fetch_wait_fraction"] = summary["expert_fetch_wait_s"] / busy if busy > 0 else 0.0
         return summary
 
+    def expert_status(self) -> str:
+        """The progress line's expert figures: hit rate per tier ('' with every expert resident)."""
+        store = self.model.experts
+        if store is None or not store.stats.experts_needed:
+            return ""
+        s = store.summary(self.stats.generated_tokens)
+        text = f"experts: {100 * s['expert_hit_rate_device']:.0f}% in pool"
+        if store.plan.from_disk and not store.plan.shared:
+            text += f", {100 * s['expert_hit_rate_host']:.0f}% of misses in host memory"
+        per_token = s["expert_bytes_from_disk_per_token"] + s["expert_bytes_from_host_per_token"]
+        return text + f", {per_token / 2**20:,.1f} MiB/token moved"
+
     def close(self) -> None:
         """Stop the expert reader threads and close the checkpoint files they read."""
         if self.model.experts is not None:

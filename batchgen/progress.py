@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal, Protocol, TextIO
+from typing import Callable, Literal, Protocol, TextIO
 
 Mode = Literal["auto", "bar", "lines", "notebook", "off"]
 
@@ -25,6 +25,7 @@ class Snapshot:
     tokens: int  # generated this run
     elapsed: float  # seconds
     done_this_run: int
+    status: str = ""  # a backend's own figures (expert hit rates), appended to the line
 
     @property
     def tokens_per_s(self) -> float:
@@ -40,8 +41,9 @@ class Snapshot:
         of = f"/{self.total}" if self.total is not None else ""
         pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         eta = f" | ETA {format_duration(self.eta)}" if self.eta is not None else ""
+        status = f" | {self.status}" if self.status else ""
         return (f"{self.done}{of} rows{pct} | {self.tokens_per_s:,.1f} tok/s | "
-                f"{format_duration(self.elapsed)}{eta}")
+                f"{format_duration(self.elapsed)}{eta}{status}")
 
 
 class Display(Protocol):
@@ -52,8 +54,11 @@ class Progress:
     """Count rows and generated tokens; ``update`` is cheap, the display is rate-limited."""
 
     def __init__(self, total: int | None, *, initial: int = 0, mode: Mode = "auto",
-                 file: TextIO | None = None, interval: float | None = None) -> None:
+                 file: TextIO | None = None, interval: float | None = None,
+                 status: Callable[[], str] | None = None) -> None:
+        """status: called at each display for extra figures to show (cheap, same thread)."""
         self.total, self._initial, self._done, self._tokens = total, initial, initial, 0
+        self._status = status
         self._start = self._last = time.monotonic()
         self._lock = threading.Lock()
         self._display = make_display(mode, file or sys.stderr)
@@ -72,7 +77,7 @@ class Progress:
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self._done, self.total, self._tokens, time.monotonic() - self._start,
-                        self._done - self._initial)
+                        self._done - self._initial, self._status() if self._status is not None else "")
 
     def close(self) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prompt",
              per_row: Mapping[str, str] | None = None, engine_options: Mapping[str, Any] | None = None,
+             expert_memory: int | str | None = None, expert_host_memory: int | str | None = None,
              **sampling: Any) -> pd.DataFrame:
     """Generate one completion per row of `pdf`.
 
@@ -32,8 +33,10 @@ def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prom
     (on Dask, keep those as a pyarrow list column: dask's `dataframe.convert-string` turns
     Python lists in object columns into strings). per_row: SamplingParams field -> column name,
     e.g. {"max_tokens": "max_tokens"}; NA in such a column keeps the default. engine_options:
-    EngineConfig keyword arguments (dtype, max_num_seqs, kv_cache_bytes, ...). sampling:
-    SamplingParams fields shared by all rows.
+    EngineConfig keyword arguments (dtype, max_num_seqs, kv_cache_bytes, ...). expert_memory /
+    expert_host_memory: `batchgen run`'s --expert-memory / --expert-host-memory (bytes or sizes
+    like "2GiB": device and host memory for routed experts, the rest streamed from host memory
+    and from the checkpoint on disk). sampling: SamplingParams fields shared by all rows.
 
     Returns `pdf` (same index, same order) plus `generated_text`, `num_generated_tokens`,
     `finish_reason` ("stop" | "length" | "error") and `error` (NA, or a message naming the row,
@@ -47,12 +50,30 @@ def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prom
     base = SamplingParams(**sampling)  # an unknown field name raises TypeError here
     per_row = dict(per_row or {})
     check_columns(pdf, prompt_column, per_row)
-    spec = EngineSpec.make(model, engine_options)
+    spec = EngineSpec.make(model, _with_expert_budgets(engine_options, expert_memory, expert_host_memory))
     if len(pdf) == 0 or is_meta_call():
         return placeholder_output(pdf)
 
     requests = read_requests(pdf, prompt_column, per_row, base)
     return output_frame(pdf, run_requests(spec, requests))
+
+
+def _with_expert_budgets(options: Mapping[str, Any] | None, device: int | str | None,
+                         host: int | str | None) -> dict[str, Any]:
+    """engine_options plus the expert budgets, checked and in bytes (one spec per real config:
+    "2GiB" and 2147483648 share an engine)."""
+    from ..config import BYTE_FIELDS, parse_size
+
+    merged = dict(options or {})
+    for name, value in (("expert_memory_bytes", device), ("expert_host_memory_bytes", host)):
+        if value is not None:
+            if name in merged and merged[name] != value:
+                raise TypeError(f"{name} given twice (engine_options and keyword) with different values")
+            merged[name] = value
+    for name in BYTE_FIELDS:
+        if isinstance(merged.get(name), str):
+            merged[name] = parse_size(merged[name], name)
+    return merged
 
 
 def run_requests(spec: EngineSpec, requests: list[tuple[Any, Any]]) -> list[RequestOutput]:
