@@ -74,8 +74,8 @@ def test_generate_takes_the_same_budgets(ckpt: Path, prompt_ids) -> None:
 def test_progress_line_carries_a_status() -> None:
     bar = Progress(10, mode="off", status=lambda: "experts: 50% in pool")
     bar.update(3, 12)
-    assert bar.snapshot().line().endswith("s | experts: 50% in pool")
-    assert Progress(10, mode="off").snapshot().line().endswith("s")  # no status, no trailing field
+    assert bar.snapshot().line().endswith(" | experts: 50% in pool")
+    assert not Progress(10, mode="off").snapshot().line().endswith(" | ")  # no status, no empty field
 
 
 def test_expert_status_is_empty_when_every_expert_is_resident(ckpt: Path) -> None:
