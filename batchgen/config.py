@@ -61,6 +61,10 @@ class EngineConfig:
     expert_eviction: str = "routing"  # or "layer-order" (offload/policy.py)
     expert_prefetch: str = "history"  # next-layer predictor: "history", "router" or "none"
     expert_io_threads: int = 1  # reader threads for experts on disk
+    # Keep the KV pool in host memory and run attention there (BatchGen / MoE-Gen on
+    # memory-constrained GPUs): the decode batch is bounded by host memory, not device memory,
+    # and the device keeps the expert GEMMs. On a CPU device that is the ordinary path.
+    kv_cache_on_host: bool = False
     # Where MALLOC_TRIM_THRESHOLD_ is set (Dask workers), raise glibc's mmap/trim thresholds for
     # this process so activations reuse heap blocks instead of faulting in fresh pages (malloc.py).
     restore_heap_reuse: bool = True

@@ -57,7 +57,8 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.config.eviction), self.allocator)  # type: ignore[arg-type]
         self.stats = RuntimeStats()
-        self.executor = Executor(self.model, num_blocks, bs, self.stats, self.config.attention_kv_tokens)
+        kv_device = self.model.attention_on_host() if self.config.kv_cache_on_host else None
+        self.executor = Executor(self.model, num_blocks, bs, self.stats, self.config.attention_kv_tokens, kv_device)
         self.codec = CoroutineCodec(self.model, self.config.kv_link_bytes_per_s)
         self._seqs: dict[SeqId, Sequence] = {}
         self._ids = itertools.count()
@@ -67,11 +68,11 @@ class Engine:
 
     def _kv_budget(self) -> int:
         """Bytes for the KV pool: as configured; else on CUDA what the utilization target leaves
-        after the weights (and whatever else holds the device), on CPU 1 GiB."""
+        after the weights (and whatever else holds the device), in host memory 1 GiB."""
         if self.config.kv_cache_bytes is not None:
             return self.config.kv_cache_bytes
         dev = self.model.device
-        if dev.type == "cuda":
+        if dev.type == "cuda" and not self.config.kv_cache_on_host:
             free, total = torch.cuda.mem_get_info(dev)
             return max(0, int(free - (1 - self.config.gpu_memory_utilization) * total))
         return 1 << 30

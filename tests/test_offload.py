@@ -230,3 +230,16 @@ def test_fetched_slots_hold_the_checkpoints_experts_in_every_tier(resident_runs)
             assert torch.equal(w13[slot], resident[layer].ffn.w13[e]) and torch.equal(w2[slot], resident[layer].ffn.w2[e])
     assert store.stats.disk_reads > sum(store.num_experts.values()) // 2  # it did evict and read again
     engine.close()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_a_host_resident_kv_pool_runs_attention_there_with_the_same_tokens(resident_runs, prompt_ids, arch: str) -> None:
+    """kv_cache_on_host: the pool and the attention stage live in host memory (on this CPU-only
+    machine the same memory as the device, so this proves the path, not the GPU transfer)."""
+    model_dir, one_layer, expected = resident_runs[arch]
+    engine = Engine(model_dir, kv_cache_bytes=KV, kv_cache_on_host=True, attention_kv_tokens=64,
+                    expert_host_memory_bytes=one_layer)
+    # attention_stage takes the host branch whenever these are set
+    assert engine.executor.cache.device.type == "cpu" and engine.model._host_attention is not None
+    assert [o.token_ids for o in engine.generate(prompt_ids[:6], GREEDY)] == expected
+    assert Engine(model_dir, kv_cache_bytes=KV).model._host_attention is None  # off by default

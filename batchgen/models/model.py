@@ -8,6 +8,7 @@ so any set of tokens parked before ffn_stage(l) may be concatenated and run toge
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +24,7 @@ from ..offload import ExpertStore, HostExperts, StoreOptions, build_store, exper
 from .moe import moe, route
 from .rope import RotaryEmbedding
 from .spec import GQASpec, MoESpec, ModelSpec
-from .weights import MLPWeights, ModelWeights, MoEWeights
+from .weights import GQAWeights, MLAWeights, MLPWeights, ModelWeights, MoEWeights
 
 
 class Model:
@@ -32,6 +33,22 @@ class Model:
         self.spec, self.weights, self.device, self.dtype, self.config = spec, weights, device, dtype, config
         self.experts = experts  # routed experts tiered over device / host / disk; None: all resident
         self.rotary = RotaryEmbedding(spec.rope, spec.max_position_embeddings, device)
+        # set by attention_on_host(): per layer (input norm, attention weights) and the rotary
+        # tables in host memory, for a KV pool that lives there
+        self._host_attention: list[tuple[torch.Tensor, GQAWeights | MLAWeights]] | None = None
+        self._host_rotary: RotaryEmbedding | None = None
+
+    def attention_on_host(self) -> torch.device:
+        """Run attention in host memory from now on (where a host-resident KV pool is); -> the
+        host device. On a CPU device the weights are shared, elsewhere copied once."""
+        host = torch.device("cpu")
+        layers = []
+        for w in self.weights.layers:
+            attn = w.attention if self.device.type == "cpu" else to_device(copy.copy(w.attention), host)
+            layers.append((w.input_norm.to(host), attn))
+        self._host_attention = layers
+        self._host_rotary = RotaryEmbedding(self.spec.rope, self.spec.max_position_embeddings, host)
+        return host
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
@@ -103,10 +120,19 @@ class Model:
 
     def attention_stage(self, layer: int, hidden: torch.Tensor, batch: AttentionBatch,
                         cache: torch.Tensor) -> torch.Tensor:
-        """hidden: [T, H] -> [T, H]; cache: this layer's [slots, W]."""
-        w, a = self.weights.layers[layer], self.spec.layers[layer].attention
-        x = rms_norm(hidden, w.input_norm, self.spec.rms_norm_eps)
+        """hidden: [T, H] -> [T, H]; cache: this layer's [slots, W]. With attention on the host,
+        the rows go to host memory, attend the KV there and come back."""
+        a = self.spec.layers[layer].attention
         fn = gqa_attention if isinstance(a, GQASpec) else mla_attention
+        if self._host_attention is not None:
+            assert self._host_rotary is not None
+            norm, weights = self._host_attention[layer]
+            h = hidden.to(cache.device)
+            x = rms_norm(h, norm, self.spec.rms_norm_eps)
+            out = h + fn(x, weights, a, self._host_rotary, batch, cache, self.spec.rms_norm_eps)  # type: ignore[arg-type]
+            return out.to(hidden.device)
+        w = self.weights.layers[layer]
+        x = rms_norm(hidden, w.input_norm, self.spec.rms_norm_eps)
         return hidden + fn(x, w.attention, a, self.rotary, batch, cache, self.spec.rms_norm_eps)  # type: ignore[arg-type]
 
     def ffn_stage(self, layer: int, hidden: torch.Tensor,

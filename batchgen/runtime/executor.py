@@ -16,12 +16,14 @@ from .stats import RuntimeStats
 
 class Executor:
     def __init__(self, model: Model, num_blocks: int, block_size: int, stats: RuntimeStats,
-                 attention_kv_tokens: int | None = None) -> None:
+                 attention_kv_tokens: int | None = None, kv_device: torch.device | None = None) -> None:
+        """kv_device: where the KV pool lives (and so where attention runs); default the model's."""
         self.model, self.block_size, self.stats = model, block_size, stats
         self.attention_kv_tokens = attention_kv_tokens
+        self.kv_device = kv_device or model.device
         # [layers, slots, W]: W = K and V of every kv head (GQA) or the latent (MLA)
         self.cache = torch.zeros(model.num_layers, num_blocks * block_size, model.spec.kv_width,
-                                 dtype=model.dtype, device=model.device)
+                                 dtype=model.dtype, device=self.kv_device)
 
     def execute(self, plan: Plan) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """-> (the scheduled sequences that sample, in row order; their logits [N, V] fp32)."""
@@ -36,7 +38,7 @@ class Executor:
         for g in groups:
             n = sum(i.num_new for i in g)
             items = [(i.seq.num_computed, i.num_new, i.seq.block_ids) for i in g]
-            batches.append((slice(row, row + n), AttentionBatch.build(items, self.block_size, dev)))
+            batches.append((slice(row, row + n), AttentionBatch.build(items, self.block_size, self.kv_device)))
             row += n
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
         routed: list[torch.Tensor] = []  # per MoE layer: topk_ids [T, A], read back once per forward
