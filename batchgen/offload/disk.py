@@ -147,6 +147,19 @@ class DiskExperts:
             total += p.nbytes
         return total
 
+    def advise(self, layer: int, expert: int) -> None:
+        """Ask the OS to start reading an expert into its page cache (no memory budget of ours
+        is used; a later read() then finds it there). Used for predicted experts no slot is
+        free for. A no-op where posix_fadvise is missing."""
+        fadvise = getattr(os, "posix_fadvise", None)
+        if fadvise is None:
+            return
+        for p in self.pieces[(layer, expert)]:
+            try:
+                fadvise(self._fds[p.file], p.offset, p.nbytes, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return  # advice only
+
     def close(self) -> None:
         for fd in self._fds.values():
             try:

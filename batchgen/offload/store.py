@@ -213,6 +213,8 @@ class ExpertStore:
                   and not (not self.plan.shared and self.pool.holds((layer, e)))]
         protect = keep | {(layer, e) for e in experts}
         count = min(len(wanted), host.num_evictable(protect))
+        for e in wanted[count:]:  # no slot to spare: at least have the OS read them ahead
+            disk.advise(layer, e)
         if count <= 0:
             return
         slots = host.take(count, protect, self.positions[layer], self.positions, self.options.eviction, self.routing)
