@@ -243,3 +243,30 @@ def test_a_host_resident_kv_pool_runs_attention_there_with_the_same_tokens(resid
     assert engine.executor.cache.device.type == "cpu" and engine.model._host_attention is not None
     assert [o.token_ids for o in engine.generate(prompt_ids[:6], GREEDY)] == expected
     assert Engine(model_dir, kv_cache_bytes=KV).model._host_attention is None  # off by default
+
+
+def test_each_expert_is_fetched_once_per_moe_stage_however_many_micro_batches_joined(resident_runs, prompt_ids) -> None:
+    """The MoE stage combines every attention micro-batch, so splitting attention costs no extra
+    expert reads: the same reads as one attention batch, the same tokens."""
+    model_dir, one_layer, expected = resident_runs["mixtral"]
+    runs = {}
+    for kv_tokens in (1 << 30, 64):  # one attention batch; micro-batches of <= 64 KV tokens
+        engine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=one_layer,
+                        attention_kv_tokens=kv_tokens, expert_prefetch="none")
+        tokens = [o.token_ids for o in engine.generate(prompt_ids[:6], GREEDY)]
+        runs[kv_tokens] = (tokens, engine.stats_summary())
+    (one_tokens, one), (micro_tokens, micro) = runs[1 << 30], runs[64]
+    assert micro["attention_batch_mean"] < one["attention_batch_mean"]  # attention really was split
+    assert micro_tokens == one_tokens == expected
+    assert micro["expert_disk_reads"] == one["expert_disk_reads"] and micro["moe_batch_mean"] == one["moe_batch_mean"]
+
+
+def test_offloading_experts_raises_the_batch_defaults(checkpoint_factory) -> None:
+    model_dir = checkpoint_factory("mixtral")
+    plain = Engine(model_dir, kv_cache_bytes=KV).config
+    tiered = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=1 << 30).config
+    assert (plain.max_num_seqs, plain.attention_kv_tokens) == (256, None)
+    assert (tiered.max_num_seqs, tiered.attention_kv_tokens) == (1024, 4096)
+    mine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=1 << 30, max_num_seqs=8,
+                  attention_kv_tokens=128).config
+    assert (mine.max_num_seqs, mine.attention_kv_tokens) == (8, 128)

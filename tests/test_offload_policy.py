@@ -77,3 +77,10 @@ def test_routing_statistics_predict_what_a_layer_needs() -> None:
 def test_the_policy_module_imports_no_torch() -> None:
     code = "import sys, batchgen.offload.policy; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_auto_prefetch_reads_ahead_only_on_cuda() -> None:
+    from batchgen.offload.policy import resolve_predictor
+
+    assert resolve_predictor("auto", "cuda") == "router" and resolve_predictor("auto", "cpu") == "none"
+    assert resolve_predictor("history", "cpu") == "history"

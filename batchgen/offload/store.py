@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from .disk import DiskExperts, ExpertReadError
-from .policy import EVICTIONS, PREDICTORS, RoutingStats, TierPlan, next_moe_layer
+from .policy import EVICTIONS, PREDICTORS, RoutingStats, TierPlan, next_moe_layer, resolve_predictor
 from .pool import Key, Pending, SlotPool
 
 RouterPredict = Callable[[int, torch.Tensor], list[int]]  # (MoE layer, hidden [T, H]) -> expert ids
@@ -61,7 +61,7 @@ class StoreStats:
 @dataclass(frozen=True, slots=True)
 class StoreOptions:
     eviction: str = "routing"
-    predictor: str = "history"
+    predictor: str = "auto"
     io_threads: int = 1
 
     def __post_init__(self) -> None:
@@ -83,6 +83,7 @@ class ExpertStore:
         if (host_experts is None) == (disk is None):
             raise ValueError("ExpertStore needs exactly one of host_experts and disk")
         self.plan, self.num_experts, self.options = plan, num_experts, options
+        self.predictor = resolve_predictor(options.predictor, device.type)
         self.device, self.dtype = device, dtype
         self.order = sorted(num_experts)  # forward order of the MoE layers
         self.positions = {layer: i for i, layer in enumerate(self.order)}
@@ -191,10 +192,10 @@ class ExpertStore:
     # -- reads ahead ------------------------------------------------------------------------------
     def _prefetch_after(self, layer: int, x: torch.Tensor, keep: set[Key]) -> None:
         """Start fetching what the next MoE layer will probably need."""
-        if self.options.predictor == "none" or len(self.order) < 1:
+        if self.predictor == "none":
             return
         nxt = next_moe_layer(layer, self.order)
-        if self.options.predictor == "router" and self.router_predict is not None:
+        if self.predictor == "router" and self.router_predict is not None:
             predicted = self.router_predict(nxt, x)
         else:
             predicted = self.routing.predict(nxt)
