@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -210,17 +211,28 @@ def test_a_checkpoint_truncated_before_load_fails_fast(checkpoint_factory, tmp_p
         Engine(model_dir, expert_host_memory_bytes=1 << 20)
 
 
-def test_fetched_slots_hold_the_checkpoints_experts_in_every_tier(resident_runs) -> None:
-    """Random stages against the resident weights: whatever tier an expert came from, the slot
-    the kernel is pointed at holds exactly that expert."""
+@pytest.mark.parametrize("tiers", ["three-tiers", "host-from-disk"])
+@pytest.mark.parametrize("prefetch", ["none", "router", "history"])
+def test_fetched_slots_hold_the_checkpoints_experts_in_every_tier(resident_runs, tiers: str, prefetch: str) -> None:
+    """Random stages (any layer order, so reads ahead are often for a layer that does not come
+    next and stay in flight, holding their slots) against the resident weights, with a slow disk:
+    whatever tier an expert came from, the slot the kernel is pointed at holds exactly it."""
     model_dir, one_layer, _ = resident_runs["qwen3_moe"]
     resident = Engine(model_dir, kv_cache_bytes=KV).model.weights.layers
-    engine = Engine(model_dir, kv_cache_bytes=KV, expert_memory_bytes=one_layer,
-                    expert_host_memory_bytes=one_layer * 3 // 2)
+    options = tier_options(one_layer)[tiers]
+    if tiers == "host-from-disk":
+        options = {"expert_host_memory_bytes": one_layer * 3 // 2}
+    engine = Engine(model_dir, kv_cache_bytes=KV, expert_prefetch=prefetch, **options)
     store = engine.model.experts
-    assert store is not None
+    assert store is not None and store.disk is not None
+    read = store.disk.read
+
+    def slow_read(*args: object) -> int:
+        time.sleep(0.002)
+        return read(*args)  # type: ignore[arg-type]
+    store.disk.read = slow_read  # type: ignore[method-assign]
     rng = torch.Generator().manual_seed(3)
-    x = torch.zeros(4, engine.model.spec.hidden_size)
+    x = torch.randn(4, engine.model.spec.hidden_size, generator=rng)
     for _ in range(200):
         layer = store.order[int(torch.randint(0, len(store.order), (1,), generator=rng))]
         ids = torch.randint(0, store.num_experts[layer], (int(torch.randint(1, 6, (1,), generator=rng)), 2),
@@ -229,6 +241,7 @@ def test_fetched_slots_hold_the_checkpoints_experts_in_every_tier(resident_runs)
         for e, slot in zip(ids.flatten().tolist(), slots.flatten().tolist()):
             assert torch.equal(w13[slot], resident[layer].ffn.w13[e]) and torch.equal(w2[slot], resident[layer].ffn.w2[e])
     assert store.stats.disk_reads > sum(store.num_experts.values()) // 2  # it did evict and read again
+    assert (store.stats.prefetch_reads > 0) == (prefetch != "none")
     engine.close()
 
 

@@ -153,18 +153,21 @@ class EngineRunner:
         except BaseException as exc:  # noqa: BLE001 - a model that cannot load fails its jobs
             self._fail(exc)
             return
-        self._snapshot(engine, force=True)
-        while not self._closed.is_set():
-            self._drain(engine, block=not engine.has_unfinished())
-            if engine.has_unfinished():
-                try:
-                    finished = engine.step()
-                except BaseException as exc:  # noqa: BLE001
-                    self._fail(exc)
-                    return
-                self._finish(engine, finished)
-            self._snapshot(engine)
-        self._refuse_pending(RuntimeError("engine runner is closed"))
+        try:
+            self._snapshot(engine, force=True)
+            while not self._closed.is_set():
+                self._drain(engine, block=not engine.has_unfinished())
+                if engine.has_unfinished():
+                    try:
+                        finished = engine.step()
+                    except BaseException as exc:  # noqa: BLE001
+                        self._fail(exc)
+                        return
+                    self._finish(engine, finished)
+                self._snapshot(engine)
+            self._refuse_pending(RuntimeError("engine runner is closed"))
+        finally:
+            engine.close()  # expert reader threads and checkpoint files, if any
 
     def _refuse_pending(self, exc: BaseException) -> None:
         """Fail the commands queued before the close: callers take their rows elsewhere (a

@@ -126,11 +126,12 @@ class ExpertStore:
         st.experts_needed += len(needed)
         st.device_hits += len(needed) - len(missing)
         if missing:
-            slots = self.pool.take(len(missing), keep, self.positions[layer], self.positions,
-                                   self.options.eviction, self.routing)
+            if self.host is not None and not self.plan.shared:
+                self._bring_to_host(layer, missing, keep)
+            slots = self._take(self.pool, len(missing), keep, layer)
             for i, (e, slot) in enumerate(zip(missing, slots)):
                 try:
-                    self._fill(layer, e, slot, keep)
+                    self._fill(layer, e, slot)
                 except BaseException:
                     for unused in slots[i:]:
                         self.pool.release(unused)
@@ -149,8 +150,41 @@ class ExpertStore:
         self._prefetch_after(layer, x, keep)
         return self.pool.w13, self.pool.w2, lut.to(topk_ids.device)[topk_ids]
 
-    def _fill(self, layer: int, e: int, slot: int, keep: set[Key]) -> None:
-        """Bring expert e of `layer` into device slot `slot`."""
+    def _bring_to_host(self, layer: int, experts: list[int], keep: set[Key]) -> None:
+        """Make the host tier hold `experts` (the device misses of a stage): wait for reads
+        ahead in flight, read the rest from disk into slots taken in one eviction decision."""
+        host, st = self.host, self.stats
+        assert host is not None
+        st.host_lookups += len(experts)
+        for e in experts:
+            if (layer, e) in host.pending:
+                self._wait((layer, e), host)
+        absent = [e for e in experts if not host.holds((layer, e))]
+        st.host_hits += len(experts) - len(absent)
+        slots = self._take(host, len(absent), keep, layer)
+        for i, (e, hslot) in enumerate(zip(absent, slots)):
+            try:
+                st.bytes_from_disk += self._read(layer, e, hslot, host)
+            except BaseException:
+                for unused in slots[i:]:
+                    host.release(unused)
+                raise
+            host.put((layer, e), hslot, self._tick)
+        for e in experts:
+            host.last_use[(layer, e)] = self._tick
+
+    def _take(self, pool: SlotPool, count: int, keep: set[Key], layer: int) -> list[int]:
+        """`count` slots of `pool` for the stage of `layer`; reads ahead still in flight hold
+        their slots, so when too few are evictable those reads are landed first."""
+        if pool.num_evictable(keep) < count:
+            for key in list(pool.pending):
+                self._wait(key, pool)
+        return pool.take(count, keep, self.positions[layer], self.positions, self.options.eviction, self.routing)
+
+    def _fill(self, layer: int, e: int, slot: int) -> None:
+        """Bring expert e of `layer` into device slot `slot` (from the host tier, which
+        _bring_to_host filled, or from the experts all held in host memory, or from disk when
+        the pool is the host cache itself)."""
         st, key = self.stats, (layer, e)
         if self.plan.shared:  # the pool is the host cache: straight from disk
             st.bytes_from_disk += self._read(layer, e, slot)
@@ -160,20 +194,6 @@ class ExpertStore:
         else:
             host = self.host
             assert host is not None
-            st.host_lookups += 1
-            if key in host.pending:
-                self._wait(key, host)
-            if host.holds(key):
-                st.host_hits += 1
-            else:
-                [hslot] = host.take(1, keep, self.positions[layer], self.positions, self.options.eviction, self.routing)
-                try:
-                    st.bytes_from_disk += self._read(layer, e, hslot, host)
-                except BaseException:
-                    host.release(hslot)
-                    raise
-                host.put(key, hslot, self._tick)
-            host.last_use[key] = self._tick
             src13, src2 = host.w13[host.where[key]], host.w2[host.where[key]]
         self.pool.w13[slot].copy_(src13, non_blocking=True)
         self.pool.w2[slot].copy_(src2, non_blocking=True)
