@@ -94,8 +94,9 @@ def test_prefetch_and_eviction_policies_keep_tokens_exact(resident_runs, prompt_
         assert 0.0 < stats["expert_prefetch_accuracy"] <= 1.0
 
 
-def test_micro_batches_preemption_and_suspend_resume_with_experts_on_disk(resident_runs, prompt_ids) -> None:
-    model_dir, one_layer, _ = resident_runs["mixtral"]
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_micro_batches_preemption_and_suspend_resume_with_experts_on_disk(resident_runs, prompt_ids, arch: str) -> None:
+    model_dir, one_layer, _ = resident_runs[arch]
     prompts = prompt_ids[:6]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in Engine(model_dir, kv_cache_bytes=KV).generate(prompts, params)]
