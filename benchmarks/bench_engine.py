@@ -36,6 +36,12 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], lengths: list[in
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return generate_in_batches(model, prompts, lengths, batch)
+
+
+def generate_in_batches(model: torch.nn.Module, prompts: list[list[int]], lengths: list[int], batch: int) -> float:
+    """transformers `generate` as users write it: input order, fixed batches, left padding,
+    every row of a batch run to the batch's longest length; -> seconds."""
     pad = 2
     start = time.perf_counter()
     with torch.no_grad():
@@ -50,20 +56,22 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], lengths: list[in
 
 
 def run_batchgen(model_dir: Path, prompts: list[list[int]], lengths: list[int], **options: object
-                 ) -> tuple[float, dict[str, float]]:
+                 ) -> tuple[float, dict[str, float], list[list[int]]]:
+    """-> (seconds, stats_summary, generated tokens per row)."""
     engine = Engine(model_dir, dtype="float32", **options)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    engine.close()
     assert [len(o.token_ids) for o in outs] == lengths
-    return elapsed, engine.stats_summary()
+    return elapsed, engine.stats_summary(), [o.token_ids for o in outs]
 
 
 def sweep_eviction(model_dir: Path, prompts: list[list[int]], lengths: list[int], kv_tokens: int) -> None:
     times: dict[str, float] = {}
     for policy in ("newest", "fewest_computed", "most_remaining"):
-        elapsed, stats = run_batchgen(model_dir, prompts, lengths, num_kv_blocks=kv_tokens // 16,
+        elapsed, stats, _ = run_batchgen(model_dir, prompts, lengths, num_kv_blocks=kv_tokens // 16,
                                       eviction=policy, swap_space_bytes=0)
         times[policy] = elapsed
         print(f"eviction {policy:16} completion {elapsed / times['newest']:.2f}x of 'newest', "
@@ -92,8 +100,8 @@ def main() -> None:
             return
         tokens = sum(lengths)
         t_hf = run_transformers(model_dir, prompts, lengths, args.batch)
-        t_bg, stats = run_batchgen(model_dir, prompts, lengths)
-        t_mb, stats_mb = run_batchgen(model_dir, prompts, lengths, attention_kv_tokens=args.attention_kv_tokens)
+        t_bg, stats, _ = run_batchgen(model_dir, prompts, lengths)
+        t_mb, stats_mb, _ = run_batchgen(model_dir, prompts, lengths, attention_kv_tokens=args.attention_kv_tokens)
     print(f"threads: {args.threads}; workload: {args.rows} rows, {tokens} output tokens, lengths median "
           f"{sorted(lengths)[len(lengths) // 2]} max {max(lengths)}")
     print(f"transformers generate (batch {args.batch}, left padding): {tokens / t_hf:8.1f} tok/s")

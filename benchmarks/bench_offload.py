@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from batchgen import Engine, SamplingParams
+from batchgen import Engine
 from batchgen.demo import build_demo_model
-from bench_engine import workload
+from bench_engine import generate_in_batches, run_batchgen, workload
 
 
 def expert_bytes(model_dir: Path) -> tuple[int, int]:
@@ -72,32 +72,10 @@ def run_accelerate(model_dir: Path, prompts: list[list[int]], lengths: list[int]
             nonlocal forwards
             forwards += 1
         model.register_forward_pre_hook(count)
-        pad = 2
-        start = time.perf_counter()
-        with torch.no_grad():
-            for i in range(0, len(prompts), batch):
-                chunk, lens = prompts[i:i + batch], lengths[i:i + batch]
-                width = max(map(len, chunk))
-                ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-                model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
-                               do_sample=False, eos_token_id=[], pad_token_id=pad)
-        elapsed = time.perf_counter() - start
+        elapsed = generate_in_batches(model, prompts, lengths, batch)
     print(f"  accelerate device map: {len(on_disk)} modules in the offload folder, "
           f"{offloaded / 2**20:.1f} MiB read per forward")
     return elapsed, offloaded * forwards, forwards
-
-
-def run_batchgen(model_dir: Path, prompts: list[list[int]], lengths: list[int], **options: object
-                 ) -> tuple[float, dict[str, float], list[list[int]]]:
-    engine = Engine(model_dir, dtype="float32", **options)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    engine.close()
-    assert [len(o.token_ids) for o in outs] == lengths
-    return elapsed, engine.stats_summary(), [o.token_ids for o in outs]
 
 
 def main() -> None:
@@ -142,7 +120,7 @@ def main() -> None:
             print(f"batchgen (c) vs accelerate (a): {t_acc / t_off:.2f}x tokens/s, "
                   f"{acc_per_token / max(per_token, 1):.1f}x fewer bytes per token")
         if args.sweep:
-            for kv in (None, 256, 1024, 4096):
+            for kv in (1 << 30, 256, 1024, 4096):  # 1 << 30: one attention batch
                 for eviction, prefetch in (("routing", "history"), ("routing", "router"), ("layer-order", "none")):
                     t, s, _ = run_batchgen(model_dir, prompts, lengths, expert_host_memory_bytes=host_budget,
                                            attention_kv_tokens=kv, expert_eviction=eviction, expert_prefetch=prefetch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import time
 from pathlib import Path
 
@@ -139,6 +140,12 @@ def test_budgets_take_human_sizes_and_a_budget_that_fits_everything_offloads_not
     assert engine.model.experts is None and "expert_hit_rate_device" not in engine.stats_summary()
 
 
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A private copy of a checkpoint directory, for a test to damage."""
+    shutil.copytree(src, dst)
+    return dst
+
+
 def last_expert_piece(engine: Engine) -> tuple[tuple[int, int], Path, int]:
     """The (layer, expert) whose bytes lie last in a weights file, that file, and their offset."""
     store = engine.model.experts
@@ -164,10 +171,7 @@ def routes_to(model_dir: Path, prompt: list[int], layer: int, expert: int) -> bo
 def test_a_checkpoint_truncated_mid_job_fails_only_the_rows_that_need_the_lost_expert(
         checkpoint_factory, tmp_path: Path) -> None:
     src = checkpoint_factory("mixtral")
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    for f in src.iterdir():
-        (model_dir / f.name).write_bytes(f.read_bytes())
+    model_dir = copy_checkpoint(src, tmp_path / "model")
     one_layer = one_layer_of_experts(Engine(model_dir, kv_cache_bytes=KV))
     prompts = [[t] for t in range(5, 29)]  # one token each: a row routes to few experts
     resident = Engine(model_dir, kv_cache_bytes=KV)
@@ -188,11 +192,7 @@ def test_a_checkpoint_truncated_mid_job_fails_only_the_rows_that_need_the_lost_e
 
 def test_a_checkpoint_deleted_mid_job_is_still_read_from_its_open_files(checkpoint_factory, tmp_path: Path,
                                                                          prompt_ids) -> None:
-    src = checkpoint_factory("qwen2_moe")
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    for f in src.iterdir():
-        (model_dir / f.name).write_bytes(f.read_bytes())
+    model_dir = copy_checkpoint(checkpoint_factory("qwen2_moe"), tmp_path / "model")
     one_layer = one_layer_of_experts(Engine(model_dir, kv_cache_bytes=KV))
     expected = [o.token_ids for o in Engine(model_dir, kv_cache_bytes=KV).generate(prompt_ids[:3], GREEDY)]
     engine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=one_layer)
