@@ -9,7 +9,7 @@ from __future__ import annotations
 from .config import get_config
 from .errors import KernelError, KernelInputError, TritonUnavailableError
 from .fused_moe import fused_moe, moe_align_triton, triton_available
-from .reference import fused_moe_reference, moe_align, moe_align_sizes
+from .reference import fused_moe_reference, fused_moe_reference_into, moe_align, moe_align_sizes
 
 __all__ = [
     "KernelError",
@@ -17,6 +17,7 @@ __all__ = [
     "TritonUnavailableError",
     "fused_moe",
     "fused_moe_reference",
+    "fused_moe_reference_into",
     "get_config",
     "moe_align",
     "moe_align_sizes",

@@ -109,9 +109,31 @@ def fused_moe_reference(
     # Each expert writes its rows into their slots (a plain copy); one sum over A at the end.
     # index_add_ into [T, K] instead serialises on CPU and was half of a decode step.
     slot_out = x.new_zeros(T * A, K)
+    fused_moe_reference_into(slot_out, x, w13, w2, topk_weights, topk_ids)
+    return slot_out.view(T, A, K).sum(dim=1)
+
+
+def fused_moe_reference_into(
+    slot_out: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    """Write each routed slot's weighted expert output into slot_out [T*A, K] (slot s is token
+    s // A, choice s % A); unrouted slots are left as they are. Calling it on disjoint sets of
+    routed experts (the rest marked -1) and then summing slot_out over A gives exactly
+    `fused_moe_reference`'s result: an expert's GEMMs see the same rows either way. This lets a
+    caller compute the experts it has while others are still being read."""
+    T, K, E, N, A = check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+    if slot_out.shape != (T * A, K) or slot_out.dtype != x.dtype:
+        raise KernelInputError(f"slot_out must be [{T * A}, {K}] {x.dtype}, got {list(slot_out.shape)} {slot_out.dtype}")
+    if T * A == 0:
+        return
     flat = topk_ids.reshape(-1).long()
     key = torch.where((flat >= 0) & (flat < E), flat, E)
-    order = torch.argsort(key, stable=True)  # [S] slots grouped by expert
+    order = torch.argsort(key, stable=True)  # [S] slots grouped by expert, ascending within one
     counts = torch.bincount(key, minlength=E + 1)[:E].tolist()
     tokens = order // A  # [S] token of each sorted slot
     weights = topk_weights.reshape(-1).index_select(0, order).to(x.dtype)  # [S]
@@ -127,4 +149,3 @@ def fused_moe_reference(
         y = F.linear(h, w2[e]).mul_(weights[start:end, None])  # [count, K]
         slot_out.index_copy_(0, order[start:end], y)
         start = end
-    return slot_out.view(T, A, K).sum(dim=1)

@@ -212,9 +212,10 @@ def test_a_checkpoint_truncated_before_load_fails_fast(checkpoint_factory, tmp_p
         Engine(model_dir, expert_host_memory_bytes=1 << 20)
 
 
-@pytest.mark.parametrize("tiers", ["three-tiers", "host-from-disk"])
+@pytest.mark.parametrize("tiers,parts", [("three-tiers", False), ("host-from-disk", False), ("host-from-disk", True)])
 @pytest.mark.parametrize("prefetch", ["none", "router", "history"])
-def test_fetched_slots_hold_the_checkpoints_experts_in_every_tier(resident_runs, tiers: str, prefetch: str) -> None:
+def test_fetched_slots_hold_the_checkpoints_experts_in_every_tier(resident_runs, tiers: str, parts: bool,
+                                                                  prefetch: str) -> None:
     """Random stages (any layer order, so reads ahead are often for a layer that does not come
     next and stay in flight, holding their slots) against the resident weights, with a slow disk:
     whatever tier an expert came from, the slot the kernel is pointed at holds exactly it."""
@@ -238,6 +239,16 @@ def test_fetched_slots_hold_the_checkpoints_experts_in_every_tier(resident_runs,
         layer = store.order[int(torch.randint(0, len(store.order), (1,), generator=rng))]
         ids = torch.randint(0, store.num_experts[layer], (int(torch.randint(1, 6, (1,), generator=rng)), 2),
                             generator=rng)
+        if parts:  # each needed expert in exactly one part, correct while that part is computed
+            seen: list[int] = []
+            for w13, w2, slots in store.fetch_parts(layer, x, ids):
+                for e, slot in zip(ids.flatten().tolist(), slots.flatten().tolist()):
+                    if slot >= 0:
+                        seen.append(e)
+                        assert torch.equal(w13[slot], resident[layer].ffn.w13[e])
+                        assert torch.equal(w2[slot], resident[layer].ffn.w2[e])
+            assert sorted(set(seen)) == sorted(set(ids.flatten().tolist())) and len(seen) == ids.numel()
+            continue
         w13, w2, slots = store.fetch(layer, x, ids)
         for e, slot in zip(ids.flatten().tolist(), slots.flatten().tolist()):
             assert torch.equal(w13[slot], resident[layer].ffn.w13[e]) and torch.equal(w2[slot], resident[layer].ffn.w2[e])
@@ -284,3 +295,19 @@ def test_offloading_experts_raises_the_batch_defaults(checkpoint_factory) -> Non
     mine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=1 << 30, max_num_seqs=8,
                   attention_kv_tokens=128).config
     assert (mine.max_num_seqs, mine.attention_kv_tokens) == (8, 128)
+
+
+def test_experts_computed_in_disjoint_parts_give_exactly_the_one_call_result() -> None:
+    from batchgen_kernels import fused_moe_reference, fused_moe_reference_into
+
+    g = torch.Generator().manual_seed(0)
+    T, H, N, E, A = 37, 16, 8, 6, 3
+    x, w13, w2 = torch.randn(T, H, generator=g), torch.randn(E, 2 * N, H, generator=g), torch.randn(E, H, N, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)])
+    weights = torch.rand(T, A, generator=g)
+    whole = fused_moe_reference(x, w13, w2, weights, ids)
+    slot_out = x.new_zeros(T * A, H)
+    for part in ({0, 3}, {1}, {2, 4, 5}):
+        mask = torch.tensor([[int(e) in part for e in row] for row in ids.tolist()])
+        fused_moe_reference_into(slot_out, x, w13, w2, weights, torch.where(mask, ids, -1))
+    assert torch.equal(slot_out.view(T, A, H).sum(dim=1), whole)  # bit for bit, not just close

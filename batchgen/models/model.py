@@ -142,7 +142,7 @@ class Model:
         x = rms_norm(hidden, w.post_norm, self.spec.rms_norm_eps)
         if isinstance(spec, MoESpec):
             cache = self.experts
-            fetch = (lambda ids: cache.fetch(layer, x, ids)) if cache is not None else None
+            fetch = (lambda ids: cache.fetch_parts(layer, x, ids)) if cache is not None else None
             return hidden + moe(x, w.ffn, spec, on_route, fetch)  # type: ignore[arg-type]
         assert isinstance(w.ffn, MLPWeights)
         return hidden + mlp(x, w.ffn)

@@ -5,12 +5,13 @@ elsewhere); this module only decides which tokens go where and with what weight.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from batchgen_kernels import fused_moe, fused_moe_reference, triton_available
+from batchgen_kernels import fused_moe, fused_moe_reference, fused_moe_reference_into, triton_available
 
 from .layers import mlp
 from .spec import MoESpec, RouterSpec
@@ -44,7 +45,8 @@ def route(x: torch.Tensor, router_w: torch.Tensor, r: RouterSpec,
     return weights, ids
 
 
-ExpertFetch = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# topk_ids -> parts (w13, w2, ids remapped to pool slots, -1 for experts not in this part)
+ExpertFetch = Callable[[torch.Tensor], Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
 
 
 def moe(x: torch.Tensor, w: MoEWeights, spec: MoESpec,
@@ -52,19 +54,27 @@ def moe(x: torch.Tensor, w: MoEWeights, spec: MoESpec,
     """x: [T, H] (already normed) -> [T, H]: routed experts plus the shared expert, if any.
 
     on_route receives topk_ids [T, A] (the runtime counts tokens per expert call with it).
-    fetch: for experts spilled to host memory, topk_ids -> (w13, w2, ids) of a device pool
-    holding every expert those ids need (batchgen.offload.ExpertStore.fetch).
+    fetch: for experts kept outside the device, topk_ids -> parts of a device pool that hold
+    every expert those ids need between them (batchgen.offload.ExpertStore.fetch_parts): each
+    part's experts are computed as it arrives, into one slot buffer summed at the end, which is
+    exactly the one-call result.
     """
     weights, ids = route(x, w.router, spec.router, w.correction_bias)
     if on_route is not None:
         on_route(ids)
-    if fetch is not None:
-        w13, w2, ids = fetch(ids)
-    else:
-        assert w.w13 is not None and w.w2 is not None
-        w13, w2 = w.w13, w.w2
     experts = fused_moe if x.is_cuda and triton_available() else fused_moe_reference
-    out = experts(x, w13, w2, weights.to(x.dtype), ids)
+    if fetch is None:
+        assert w.w13 is not None and w.w2 is not None
+        out = experts(x, w.w13, w.w2, weights.to(x.dtype), ids)
+    elif x.is_cuda and triton_available():
+        (w13, w2, slot_ids), = fetch(ids)  # one part on CUDA: copies are ordered on the stream
+        out = experts(x, w13, w2, weights.to(x.dtype), slot_ids)
+    else:
+        T, A = ids.shape
+        slot_out = x.new_zeros(T * A, x.shape[1])
+        for w13, w2, slot_ids in fetch(ids):
+            fused_moe_reference_into(slot_out, x, w13, w2, weights.to(x.dtype), slot_ids)
+        out = slot_out.view(T, A, -1).sum(dim=1)
     if w.shared is not None:
         shared = mlp(x, w.shared)
         if w.shared_gate is not None:

@@ -20,7 +20,9 @@ layer runs; it never evicts what the current stage needs or a slot a read is fil
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Callable
 
@@ -138,17 +140,77 @@ class ExpertStore:
                     raise
                 self.pool.put((layer, e), slot, self._tick)
         for e in needed:
-            key = (layer, e)
-            self.pool.last_use[key] = self._tick
-            if key in self._prefetched:
-                self._prefetched.discard(key)
-                st.prefetch_reads_used += 1
+            self._used(layer, e)
         self._wait_device_copies(needed, layer)
         lut = torch.zeros(self.num_experts[layer], dtype=torch.long)
         lut[needed] = torch.tensor([self.pool.where[(layer, e)] for e in needed], dtype=torch.long)
         st.fetch_wait_s += time.perf_counter() - t0
         self._prefetch_after(layer, x, keep)
         return self.pool.w13, self.pool.w2, lut.to(topk_ids.device)[topk_ids]
+
+    def fetch_parts(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Like `fetch`, in parts: where experts are read from disk straight into the pool (the
+        CPU host cache), the stage's misses are read by the reader threads and each part holds
+        the experts that have landed (ids of the others -1: not routed), so computing one
+        expert overlaps reading the next. Every needed expert is in exactly one part. Elsewhere
+        one part, `fetch`'s."""
+        if not self.plan.shared or self._readers is None:
+            yield self.fetch(layer, x, topk_ids)
+            return
+        t0 = time.perf_counter()
+        self._tick += 1
+        st, pool, disk = self.stats, self.pool, self.disk
+        assert disk is not None
+        needed = torch.unique(topk_ids).tolist()
+        self._score_prediction(layer, needed)
+        self.routing.observe(layer, self.num_experts[layer], needed)
+        self._land_reads()
+        keep = {(layer, e) for e in needed}
+        st.stages += 1
+        st.experts_needed += len(needed)
+        # reads ahead still in flight count as hits: the stage did not have to start them
+        st.device_hits += sum(pool.holds((layer, e)) or (layer, e) in pool.pending for e in needed)
+        busy = time.perf_counter() - t0
+        done: set[int] = set()
+        while len(done) < len(needed):
+            t1 = time.perf_counter()
+            todo = [e for e in needed if e not in done]  # computed experts may be evicted now
+            absent = [e for e in todo if not pool.holds((layer, e)) and (layer, e) not in pool.pending]
+            if absent:  # misses, and reads ahead that failed: read now, in the reader threads
+                protect = {(layer, e) for e in todo}
+                for e, slot in zip(absent, self._take(pool, len(absent), protect, layer)):
+                    future = self._readers.submit(disk.read, layer, e, pool.w13[slot], pool.w2[slot])
+                    pool.pending[(layer, e)] = Pending(slot, future, prefetched=False)
+            ready = [e for e in todo if pool.holds((layer, e))]
+            if not ready:  # wait for the first read to land; a failed one fails the stage
+                futures = [pool.pending[(layer, e)].future for e in todo if (layer, e) in pool.pending]
+                wait_futures(futures, return_when=FIRST_COMPLETED)
+                for e in todo:
+                    pending = pool.pending.get((layer, e))
+                    if pending is not None and pending.future.done():
+                        error = pending.future.exception()
+                        self._settle((layer, e), pool, pending)
+                        if error is not None:
+                            raise error
+                busy += time.perf_counter() - t1
+                continue
+            lut = torch.full((self.num_experts[layer],), -1, dtype=torch.long)
+            lut[ready] = torch.tensor([pool.where[(layer, e)] for e in ready], dtype=torch.long)
+            for e in ready:
+                self._used(layer, e)
+            done.update(ready)
+            busy += time.perf_counter() - t1
+            yield pool.w13, pool.w2, lut.to(topk_ids.device)[topk_ids]  # the caller computes these now
+        st.fetch_wait_s += busy
+        self._prefetch_after(layer, x, keep)
+
+    def _used(self, layer: int, e: int) -> None:
+        key = (layer, e)
+        self.pool.last_use[key] = self._tick
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            self.stats.prefetch_reads_used += 1
 
     def _bring_to_host(self, layer: int, experts: list[int], keep: set[Key]) -> None:
         """Make the host tier hold `experts` (the device misses of a stage): wait for reads
@@ -316,8 +378,9 @@ class ExpertStore:
         pool.put(key, pending.slot, self._tick)
         self.stats.bytes_from_disk += pending.future.result()
         self.stats.disk_reads += 1
-        self.stats.prefetch_reads += 1
-        self._prefetched.add(key)
+        if pending.prefetched:
+            self.stats.prefetch_reads += 1
+            self._prefetched.add(key)
 
     def _score_prediction(self, layer: int, needed: list[int]) -> None:
         predicted = self._predicted.pop(layer, None)
