@@ -47,7 +47,8 @@ class Engine:
         path = Path(model).expanduser()
         c = self.config
         self.model = Model.load(path, c.dtype, c.device, c.expert_memory_bytes, c.expert_host_memory_bytes,
-                                StoreOptions(c.expert_eviction, c.expert_prefetch, c.expert_io_threads))
+                                StoreOptions(c.expert_eviction, c.expert_prefetch, c.expert_io_threads,
+                                             c.expert_overlap_reads))
         info = ModelInfo.for_spec(path, self.model.spec, self.config.max_model_len)
         self.model_dir, self.tokenizer, self.eos_token_ids = path, info.tokenizer, info.eos_token_ids
         self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len

@@ -84,7 +84,7 @@ def test_transformers_agrees_with_experts_read_from_disk(checkpoint_factory, pro
 def test_prefetch_and_eviction_policies_keep_tokens_exact(resident_runs, prompt_ids, prefetch: str, eviction: str) -> None:
     model_dir, one_layer, expected = resident_runs["olmoe"]
     engine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=one_layer * 2,
-                    expert_prefetch=prefetch, expert_eviction=eviction)
+                    expert_prefetch=prefetch, expert_eviction=eviction, expert_overlap_reads=eviction == "routing")
     assert [o.token_ids for o in engine.generate(prompt_ids[:6], GREEDY)] == expected
     stats = engine.stats_summary()
     if prefetch == "none":
@@ -168,15 +168,16 @@ def routes_to(model_dir: Path, prompt: list[int], layer: int, expert: int) -> bo
     return any(bool((ids == expert).any()) for ids in seen)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["reads-in-stage", "reads-overlapped"])
 def test_a_checkpoint_truncated_mid_job_fails_only_the_rows_that_need_the_lost_expert(
-        checkpoint_factory, tmp_path: Path) -> None:
+        checkpoint_factory, tmp_path: Path, overlap: bool) -> None:
     src = checkpoint_factory("mixtral")
     model_dir = copy_checkpoint(src, tmp_path / "model")
     one_layer = one_layer_of_experts(Engine(model_dir, kv_cache_bytes=KV))
     prompts = [[t] for t in range(5, 29)]  # one token each: a row routes to few experts
     resident = Engine(model_dir, kv_cache_bytes=KV)
     expected = [o.token_ids for o in resident.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))]
-    engine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=one_layer)
+    engine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=one_layer, expert_overlap_reads=overlap)
     (layer, expert), weights_file, offset = last_expert_piece(engine)
     os.truncate(weights_file, offset + 16)  # after load: the engine was fine, then the file lost its tail
     outs = engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
@@ -224,7 +225,7 @@ def test_fetched_slots_hold_the_checkpoints_experts_in_every_tier(resident_runs,
     options = tier_options(one_layer)[tiers]
     if tiers == "host-from-disk":
         options = {"expert_host_memory_bytes": one_layer * 3 // 2}
-    engine = Engine(model_dir, kv_cache_bytes=KV, expert_prefetch=prefetch, **options)
+    engine = Engine(model_dir, kv_cache_bytes=KV, expert_prefetch=prefetch, expert_overlap_reads=parts, **options)
     store = engine.model.experts
     assert store is not None and store.disk is not None
     read = store.disk.read
