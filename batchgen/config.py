@@ -83,24 +83,27 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, parse_size(value, f"EngineConfig.{name}"))
-        offloading = self.expert_memory_bytes is not None or self.expert_host_memory_bytes is not None
-        if self.max_num_seqs is None:
-            self.max_num_seqs = OFFLOAD_MAX_NUM_SEQS if offloading else 256
-        if self.attention_kv_tokens is None and offloading:
-            self.attention_kv_tokens = OFFLOAD_ATTENTION_KV_TOKENS
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ValueError(f"EngineConfig.swap_space_bytes must be an integer >= 0, got {self.swap_space_bytes!r}")
-        for name in ("block_size", "kv_link_bytes_per_s", "host_link_bytes_per_s", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "kv_link_bytes_per_s", "host_link_bytes_per_s", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "attention_kv_tokens", "expert_memory_bytes",
-                     "expert_host_memory_bytes"):
+                     "expert_host_memory_bytes", "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer or None, got {value!r}")
+
+    def resolve_batch_defaults(self, experts_offloaded: bool) -> None:
+        """Fill the batch options left unset, once the engine knows whether its experts are
+        really offloaded (a budget that holds every expert offloads nothing)."""
+        if self.max_num_seqs is None:
+            self.max_num_seqs = OFFLOAD_MAX_NUM_SEQS if experts_offloaded else 256
+        if self.attention_kv_tokens is None and experts_offloaded:
+            self.attention_kv_tokens = OFFLOAD_ATTENTION_KV_TOKENS
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

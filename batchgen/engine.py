@@ -49,6 +49,7 @@ class Engine:
         self.model = Model.load(path, c.dtype, c.device, c.expert_memory_bytes, c.expert_host_memory_bytes,
                                 StoreOptions(c.expert_eviction, c.expert_prefetch, c.expert_io_threads,
                                              c.expert_overlap_reads))
+        self.config.resolve_batch_defaults(self.model.experts is not None)
         info = ModelInfo.for_spec(path, self.model.spec, self.config.max_model_len)
         self.model_dir, self.tokenizer, self.eos_token_ids = path, info.tokenizer, info.eos_token_ids
         self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len
@@ -382,7 +383,7 @@ class Engine:
         text = f"experts: {100 * s['expert_hit_rate_device']:.0f}% in pool"
         if store.plan.from_disk and not store.plan.shared:
             text += f", {100 * s['expert_hit_rate_host']:.0f}% of misses in host memory"
-        per_token = s["expert_bytes_from_disk_per_token"] + s["expert_bytes_from_host_per_token"]
+        per_token = s["expert_bytes_from_disk"] + s["expert_bytes_from_host"]
         return text + f", {per_token / 2**20:,.1f} MiB/token moved"
 
     def close(self) -> None:

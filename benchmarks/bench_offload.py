@@ -104,7 +104,7 @@ def main() -> None:
         t_res, _, want = run_batchgen(model_dir, prompts, lengths)
         t_off, st, got = run_batchgen(model_dir, prompts, lengths, expert_host_memory_bytes=host_budget)
         assert got == want, "tiered engine's tokens differ from the resident engine's"
-        per_token = st["expert_bytes_from_disk_per_token"] + st["expert_bytes_from_host_per_token"]
+        per_token = st["expert_bytes_from_disk"] + st["expert_bytes_from_host"]
         print(f"(b) batchgen, every expert resident:  {tokens / t_res:8.1f} tok/s")
         print(f"(c) batchgen, experts on disk, {args.resident_fraction:.0%} in memory: {tokens / t_off:8.1f} tok/s "
               f"= {t_res / t_off:.2f}x of (b); {per_token / 2**20:.3f} MiB expert reads per token; "
@@ -125,7 +125,7 @@ def main() -> None:
                     t, s, _ = run_batchgen(model_dir, prompts, lengths, expert_host_memory_bytes=host_budget,
                                            attention_kv_tokens=kv, expert_eviction=eviction, expert_prefetch=prefetch)
                     print(f"  sweep kv={kv} {eviction}/{prefetch}: {t_res / t:.2f}x of (b), "
-                          f"{(s['expert_bytes_from_disk_per_token']) / 2**20:.3f} MiB/token, "
+                          f"{s['expert_bytes_from_disk'] / 2**20:.3f} MiB/token, "
                           f"prefetch accuracy {s['expert_prefetch_accuracy']:.1%}")
 
 

@@ -62,12 +62,15 @@ def test_every_tier_combination_gives_the_resident_tokens(resident_runs, prompt_
     stats = engine.stats_summary()
     assert stats["expert_hit_rate_device"] < 1.0  # experts were evicted and brought back
     if tiers == "device-pool":
-        assert stats["expert_bytes_from_disk"] == 0 and stats["expert_bytes_from_host"] > 0
+        assert stats["expert_bytes_from_disk_total"] == 0 and stats["expert_bytes_from_host_total"] > 0
     else:  # nothing but the headers was read at load: every expert byte came from disk since
-        assert stats["expert_bytes_from_disk"] >= store.expert_bytes * len(store.num_experts)
-        assert stats["expert_bytes_from_disk"] == stats["expert_disk_reads"] * store.expert_bytes
+        assert stats["expert_bytes_from_disk_total"] >= store.expert_bytes * len(store.num_experts)
+        assert stats["expert_bytes_from_disk_total"] == stats["expert_disk_reads"] * store.expert_bytes
+        assert stats["expert_bytes_from_disk"] == stats["expert_bytes_from_disk_total"] / stats["generated_tokens"]
     if tiers == "three-tiers":
         assert 0.0 < stats["expert_hit_rate_host"] < 1.0 and stats["expert_bytes_from_host"] > 0
+    if tiers == "host-from-disk":  # one memory, one tier: the host rate is the pool's
+        assert stats["expert_hit_rate_host"] == stats["expert_hit_rate_device"]
     engine.close()
 
 
@@ -287,13 +290,14 @@ def test_each_expert_is_fetched_once_per_moe_stage_however_many_micro_batches_jo
     assert micro["expert_disk_reads"] == one["expert_disk_reads"] and micro["moe_batch_mean"] == one["moe_batch_mean"]
 
 
-def test_offloading_experts_raises_the_batch_defaults(checkpoint_factory) -> None:
-    model_dir = checkpoint_factory("mixtral")
+def test_offloading_experts_raises_the_batch_defaults(resident_runs) -> None:
+    model_dir, one_layer, _ = resident_runs["mixtral"]
     plain = Engine(model_dir, kv_cache_bytes=KV).config
-    tiered = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=1 << 30).config
-    assert (plain.max_num_seqs, plain.attention_kv_tokens) == (256, None)
+    fits = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=1 << 30).config  # offloads nothing
+    tiered = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=one_layer).config
+    assert (plain.max_num_seqs, plain.attention_kv_tokens) == (256, None) == (fits.max_num_seqs, fits.attention_kv_tokens)
     assert (tiered.max_num_seqs, tiered.attention_kv_tokens) == (1024, 4096)
-    mine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=1 << 30, max_num_seqs=8,
+    mine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=one_layer, max_num_seqs=8,
                   attention_kv_tokens=128).config
     assert (mine.max_num_seqs, mine.attention_kv_tokens) == (8, 128)
 
@@ -312,3 +316,11 @@ def test_experts_computed_in_disjoint_parts_give_exactly_the_one_call_result() -
         mask = torch.tensor([[int(e) in part for e in row] for row in ids.tolist()])
         fused_moe_reference_into(slot_out, x, w13, w2, weights, torch.where(mask, ids, -1))
     assert torch.equal(slot_out.view(T, A, H).sum(dim=1), whole)  # bit for bit, not just close
+
+
+def test_a_closed_engine_says_so_instead_of_reading_closed_files(resident_runs, prompt_ids) -> None:
+    model_dir, one_layer, _ = resident_runs["mixtral"]
+    engine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=one_layer)
+    engine.close()
+    with pytest.raises(RuntimeError, match="this engine was closed"):
+        engine.generate(prompt_ids[:1], GREEDY)

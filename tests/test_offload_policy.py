@@ -18,8 +18,10 @@ def test_budgets_become_tiers() -> None:
     assert (device_only.device_slots, device_only.host_slots, device_only.from_disk) == (8, None, False)
     cpu_host_only = plan_tiers(E_BYTES, TOTAL, WIDEST, None, 1000, device_is_host=True)
     assert (cpu_host_only.device_slots, cpu_host_only.host_slots, cpu_host_only.shared) == (10, 10, True)
-    gpu_host_only = plan_tiers(E_BYTES, TOTAL, WIDEST, None, 1000, device_is_host=False)
-    assert (gpu_host_only.device_slots, gpu_host_only.host_slots, gpu_host_only.shared) == (24, 10, False)
+    with pytest.raises(BudgetError, match="expert_host_memory_bytes on an accelerator needs expert_memory_bytes too"):
+        plan_tiers(E_BYTES, TOTAL, WIDEST, None, 1000, device_is_host=False)
+    gpu_both = plan_tiers(E_BYTES, TOTAL, WIDEST, 900, 1000, device_is_host=False)
+    assert (gpu_both.device_slots, gpu_both.host_slots, gpu_both.shared) == (9, 10, False)
     three = plan_tiers(E_BYTES, TOTAL, WIDEST, 800, 1200, device_is_host=True)
     assert (three.device_slots, three.host_slots, three.shared, three.from_disk) == (8, 12, False, True)
     with pytest.raises(BudgetError, match=r"expert_host_memory_bytes=799 cannot hold one MoE layer's 8 experts "

@@ -64,15 +64,16 @@ def _with_expert_budgets(options: Mapping[str, Any] | None, device: int | str | 
     "2GiB" and 2147483648 share an engine)."""
     from ..config import BYTE_FIELDS, parse_size
 
-    merged = dict(options or {})
+    def size(name: str, value: Any) -> Any:
+        return parse_size(value, name) if isinstance(value, str) else value
+
+    merged = {name: size(name, value) if name in BYTE_FIELDS else value for name, value in (options or {}).items()}
     for name, value in (("expert_memory_bytes", device), ("expert_host_memory_bytes", host)):
         if value is not None:
+            value = size(name, value)
             if name in merged and merged[name] != value:
                 raise TypeError(f"{name} given twice (engine_options and keyword) with different values")
             merged[name] = value
-    for name in BYTE_FIELDS:
-        if isinstance(merged.get(name), str):
-            merged[name] = parse_size(merged[name], name)
     return merged
 
 

@@ -51,7 +51,8 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: dict[str, Any]) -> torch.dtype:
 class _TensorSource:
     """name -> tensor over all safetensors shards of a directory."""
 
-    def __init__(self, model_dir: Path, stack: ExitStack) -> None:
+    def __init__(self, model_dir: Path, stack: ExitStack, private: bool = False) -> None:
+        self.private = private
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"model directory {str(model_dir)!r} has no *.safetensors weights")
@@ -71,9 +72,12 @@ class _TensorSource:
         if name not in self._where:
             raise ModelLoadError(f"weights lack tensor {name!r}")
         tensor = self._where[name].get_tensor(name)
-        # safetensors hands out views of its memory map; a copy keeps a running engine safe from
-        # the file changing under it (a truncated mapped file raises SIGBUS, which kills the process)
-        return tensor.to(dtype) if tensor.dtype != dtype else tensor.clone()
+        if tensor.dtype != dtype:
+            return tensor.to(dtype)
+        # safetensors hands out views of its memory map (clean pages shared between processes);
+        # a private copy keeps an engine that reads the file during the job (experts on disk)
+        # safe from the file changing under it: a truncated mapped file raises SIGBUS
+        return tensor.clone() if self.private else tensor
 
     def maybe(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         return self.get(name, dtype) if name in self._where else None
@@ -150,9 +154,10 @@ def _mla(src: _TensorSource, p: str, a: MLASpec, dt: torch.dtype) -> MLAWeights:
 
 def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                  routed_experts: bool = True) -> ModelWeights:
-    """routed_experts False: MoE layers' routed experts are not read (w13/w2 None)."""
+    """routed_experts False: MoE layers' routed experts are not read (w13/w2 None) and the rest
+    is copied out of the memory map (the expert store reads the same files during the job)."""
     with ExitStack() as stack:
-        src = _TensorSource(model_dir, stack)
+        src = _TensorSource(model_dir, stack, private=not routed_experts)
         embed = src.get("model.embed_tokens.weight", dtype)
         if embed.shape[0] != spec.vocab_size or embed.shape[1] != spec.hidden_size:
             raise ModelLoadError(f"model.embed_tokens.weight has shape {tuple(embed.shape)}, config.json says "

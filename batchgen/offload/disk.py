@@ -35,10 +35,16 @@ class ExpertReadError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class TensorLocation:
     file: Path
-    dtype: torch.dtype
+    dtype: str  # safetensors' code ("BF16", "F32", ...); only expert tensors must be floats
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of the tensor's data in the file
     nbytes: int
+
+    def torch_dtype(self, name: str) -> torch.dtype:
+        if self.dtype not in ST_DTYPES:
+            raise ModelLoadError(f"{self.file.name}: expert tensor {name!r} has dtype {self.dtype!r}; "
+                                 f"expert offload reads {sorted(ST_DTYPES)}")
+        return ST_DTYPES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +74,11 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info.get("dtype") not in ST_DTYPES:
-            raise ModelLoadError(f"{path.name}: tensor {name!r} has dtype {info.get('dtype')!r}; "
-                                 f"expert offload reads {sorted(ST_DTYPES)}")
         start, end = info["data_offsets"]
         if base + end > size:
             raise ModelLoadError(f"{path.name} is truncated: tensor {name!r} ends at byte {base + end}, "
                                  f"the file has {size}")
-        out[name] = TensorLocation(path, ST_DTYPES[info["dtype"]], tuple(info["shape"]), base + start, end - start)
+        out[name] = TensorLocation(path, info.get("dtype"), tuple(info["shape"]), base + start, end - start)
     return out
 
 
@@ -111,7 +114,8 @@ class DiskExperts:
                 if tuple(loc.shape[1:]) != shape:
                     raise ModelLoadError(f"{prefix}.experts: {target} has shape {loc.shape}, expected [E, {shape}]")
                 per = loc.nbytes // loc.shape[0]
-                out.append(Piece(loc.file, loc.dtype, loc.offset + e * per, per, target, 0, shape[0]))
+                dtype = loc.torch_dtype(f"{prefix}.experts.{target}")
+                out.append(Piece(loc.file, dtype, loc.offset + e * per, per, target, 0, shape[0]))
             return out
         g, u, d = names
         out = []
@@ -123,7 +127,7 @@ class DiskExperts:
                 raise ModelLoadError(f"weights lack tensor {key!r}")
             if loc.shape != shape:
                 raise ModelLoadError(f"{key} has shape {list(loc.shape)}, config.json says {list(shape)}")
-            out.append(Piece(loc.file, loc.dtype, loc.offset, loc.nbytes, target, row0, shape[0]))
+            out.append(Piece(loc.file, loc.torch_dtype(key), loc.offset, loc.nbytes, target, row0, shape[0]))
         return out
 
     def read(self, layer: int, expert: int, w13: torch.Tensor, w2: torch.Tensor) -> int:
@@ -135,10 +139,16 @@ class DiskExperts:
             same = p.dtype == dst.dtype
             buf = dst if same else torch.empty(dst.shape, dtype=p.dtype)
             view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
-            try:
-                got = os.preadv(self._fds[p.file], [view], p.offset)
-            except OSError as exc:
-                raise ExpertReadError(f"reading expert {expert} of layer {layer} from {p.file.name} failed: {exc}") from exc
+            got = 0
+            while got < p.nbytes:  # reads may come back short (large pieces, network filesystems)
+                try:
+                    n = os.preadv(self._fds[p.file], [view[got:]], p.offset + got)
+                except OSError as exc:
+                    raise ExpertReadError(f"reading expert {expert} of layer {layer} from {p.file.name} "
+                                          f"failed: {exc}") from exc
+                if n == 0:  # end of file
+                    break
+                got += n
             if got != p.nbytes:
                 raise ExpertReadError(f"weights file {p.file.name} is truncated: expert {expert} of layer {layer} "
                                       f"needs bytes {p.offset}..{p.offset + p.nbytes}, read {got}")
@@ -161,7 +171,7 @@ class DiskExperts:
                 return  # advice only
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd in getattr(self, "_fds", {}).values():  # __init__ may have failed before opening any
             try:
                 os.close(fd)
             except OSError:

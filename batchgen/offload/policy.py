@@ -6,6 +6,7 @@ plain ints and floats, so a policy can be measured on a routing trace without a 
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -72,8 +73,10 @@ def plan_tiers(expert_bytes: int, total_experts: int, widest_layer: int, device_
         return None if device is None else TierPlan(device, None, total_experts)
     if device is None and device_is_host:
         return TierPlan(host, host, total_experts, shared=True)
-    # a device with no budget of its own holds every expert, filled lazily from host and disk
-    return TierPlan(total_experts if device is None else device, host, total_experts)
+    if device is None:  # every expert on the device would defeat the point (and not fit)
+        raise BudgetError("expert_host_memory_bytes on an accelerator needs expert_memory_bytes too: "
+                          "the device pool the experts stream through")
+    return TierPlan(device, host, total_experts)
 
 
 @dataclass(slots=True)
@@ -141,7 +144,7 @@ def pick_victims(count: int, residents: Sequence[tuple[int, int, int]], here: in
     if eviction not in EVICTIONS:
         raise ValueError(f"unknown expert eviction {eviction!r}; choose from {EVICTIONS}")
     key = routing if eviction == "routing" else layer_order
-    return [(layer, expert) for layer, expert, _ in sorted(residents, key=key)[:count]]
+    return [(layer, expert) for layer, expert, _ in heapq.nsmallest(count, residents, key=key)]
 
 
 def next_moe_layer(layer: int, order: Sequence[int]) -> int:

@@ -6,7 +6,7 @@ and which slots are being filled by a read in flight (never evicted until the re
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,13 +22,6 @@ class Pending:
     prefetched: bool = True
 
 
-@dataclass(slots=True)
-class TierStats:
-    hits: int = 0  # experts a stage asked this tier for that it held
-    misses: int = 0
-    bytes_in: int = 0  # bytes copied or read into this tier
-
-
 class SlotPool:
     def __init__(self, slots: int, w13_shape: tuple[int, int], w2_shape: tuple[int, int], dtype: torch.dtype,
                  device: torch.device, pin: bool = False) -> None:
@@ -41,7 +34,7 @@ class SlotPool:
         self.pending: dict[Key, Pending] = {}
         self.ready_events: dict[int, object] = {}  # slot -> CUDA event of an async copy into / out of it
         self._free = list(range(slots - 1, -1, -1))
-        self.stats = TierStats()
+        self.evicted: list[Key] = []  # what the last take() evicted (the store forgets it was read ahead)
 
     def holds(self, key: Key) -> bool:
         return key in self.where
@@ -57,10 +50,12 @@ class SlotPool:
         """`count` slots: free ones first, then evicted by the policy; never one in `keep` or
         one a read is filling."""
         out = [self._free.pop() for _ in range(min(count, len(self._free)))]
+        self.evicted = []
         if len(out) < count:
             residents = [(l, e, self.last_use.get((l, e), 0)) for (l, e) in self.where if (l, e) not in keep]
             for key in pick_victims(count - len(out), residents, here, positions, eviction, stats):
                 self.last_use.pop(key, None)
+                self.evicted.append(key)
                 out.append(self.where.pop(key))
         for slot in out:
             event = self.ready_events.pop(slot, None)

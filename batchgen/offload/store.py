@@ -55,8 +55,10 @@ class StoreStats:
     bytes_from_host: int = 0  # host -> device pool copies
     predicted: int = 0  # experts the predictor named for a coming stage
     predicted_used: int = 0  # ... that the stage then needed
-    prefetch_reads: int = 0
-    prefetch_reads_used: int = 0
+    prefetch_reads: int = 0  # experts read ahead from disk (into host memory)
+    prefetch_reads_used: int = 0  # ... that a stage then needed before they were evicted
+    prefetch_copies: int = 0  # CUDA: experts copied ahead host -> device pool on the side stream
+    prefetch_copies_used: int = 0
     fetch_wait_s: float = 0.0
 
 
@@ -103,7 +105,9 @@ class ExpertStore:
         self.stats = StoreStats()
         self._tick = 0
         self._predicted: dict[int, set[int]] = {}  # MoE layer -> experts named for its next stage
-        self._prefetched: set[Key] = set()  # read ahead and not yet used
+        self._prefetched: set[Key] = set()  # read ahead from disk and not yet used
+        self._copied_ahead: set[Key] = set()  # CUDA: copied ahead host -> device pool, not yet used
+        self._closed = False
         self._readers = ThreadPoolExecutor(options.io_threads, thread_name_prefix="batchgen-expert-io") \
             if disk is not None else None
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
@@ -113,6 +117,7 @@ class ExpertStore:
         """topk_ids [T, A] of `layer` -> (pool w13 [S, 2N, H], pool w2 [S, H, N], ids remapped
         to pool slots [T, A]), every needed expert in the pool. x [T, H]: the stage's input (the
         router predictor reads it). Raises ExpertReadError when an expert cannot be read."""
+        self._check_open()
         t0 = time.perf_counter()
         self._tick += 1
         st = self.stats
@@ -159,6 +164,7 @@ class ExpertStore:
         "disk" read is a page-cache copy that needs a core of its own, it measured 0.60-0.66x of
         the resident engine against 0.69-0.71x without; it is meant for a real disk, where a
         read waits on the device, not on a core."""
+        self._check_open()
         if not self.options.overlap_reads or not self.plan.shared or self._readers is None:
             yield self.fetch(layer, x, topk_ids)
             return
@@ -217,6 +223,9 @@ class ExpertStore:
         if key in self._prefetched:
             self._prefetched.discard(key)
             self.stats.prefetch_reads_used += 1
+        if key in self._copied_ahead:
+            self._copied_ahead.discard(key)
+            self.stats.prefetch_copies_used += 1
 
     def _bring_to_host(self, layer: int, experts: list[int], keep: set[Key]) -> None:
         """Make the host tier hold `experts` (the device misses of a stage): wait for reads
@@ -247,7 +256,10 @@ class ExpertStore:
         if pool.num_evictable(keep) < count:
             for key in list(pool.pending):
                 self._wait(key, pool)
-        return pool.take(count, keep, self.positions[layer], self.positions, self.options.eviction, self.routing)
+        slots = pool.take(count, keep, self.positions[layer], self.positions, self.options.eviction, self.routing)
+        ahead = self._prefetched if pool is self.host else self._copied_ahead
+        ahead.difference_update(pool.evicted)  # evicted unused: no longer a read ahead to count
+        return slots
 
     def _fill(self, layer: int, e: int, slot: int) -> None:
         """Bring expert e of `layer` into device slot `slot` (from the host tier, which
@@ -274,8 +286,9 @@ class ExpertStore:
     def _read(self, layer: int, e: int, slot: int, pool: SlotPool | None = None) -> int:
         pool = pool or self.pool
         assert self.disk is not None
+        nbytes = self.disk.read(layer, e, pool.w13[slot], pool.w2[slot])
         self.stats.disk_reads += 1
-        return self.disk.read(layer, e, pool.w13[slot], pool.w2[slot])
+        return nbytes
 
     # -- reads ahead ------------------------------------------------------------------------------
     def _prefetch_after(self, layer: int, x: torch.Tensor, keep: set[Key]) -> None:
@@ -291,6 +304,7 @@ class ExpertStore:
         if self.host is not None:
             self._read_ahead(nxt, predicted, keep)
         if self._copy_stream is not None:
+            self._land_reads()  # earlier reads ahead that have landed can go on to the device too
             self._copy_ahead(nxt, predicted, keep)
 
     def _read_ahead(self, layer: int, experts: list[int], keep: set[Key]) -> None:
@@ -306,7 +320,7 @@ class ExpertStore:
             disk.advise(layer, e)
         if count <= 0:
             return
-        slots = host.take(count, protect, self.positions[layer], self.positions, self.options.eviction, self.routing)
+        slots = self._take(host, count, protect, layer)
         for e, slot in zip(wanted, slots):
             future = readers.submit(disk.read, layer, e, host.w13[slot], host.w2[slot])
             host.pending[(layer, e)] = Pending(slot, future)
@@ -332,7 +346,7 @@ class ExpertStore:
         count = min(len(sources), self.pool.num_evictable(protect))
         if count <= 0:
             return
-        slots = self.pool.take(count, protect, self.positions[layer], self.positions, self.options.eviction, self.routing)
+        slots = self._take(self.pool, count, protect, layer)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for (e, w13, w2, hslot), slot in zip(sources, slots):
@@ -344,9 +358,9 @@ class ExpertStore:
                 if hslot is not None and self.host is not None:
                     self.host.ready_events[hslot] = event  # the host slot must outlive the copy
                 self.pool.put((layer, e), slot, self._tick)
-                self._prefetched.add((layer, e))
+                self._copied_ahead.add((layer, e))
                 self.stats.bytes_from_host += self.expert_bytes
-                self.stats.prefetch_reads += 1
+                self.stats.prefetch_copies += 1
 
     def _wait_device_copies(self, needed: list[int], layer: int) -> None:
         if self._copy_stream is None:
@@ -396,30 +410,43 @@ class ExpertStore:
 
     # -- reporting --------------------------------------------------------------------------------
     def summary(self, generated_tokens: int) -> dict[str, float]:
+        """expert_bytes_from_disk / _from_host are per generated token (the issue's measure of an
+        offload design); the _total keys are the byte counts."""
         st = self.stats
         per_token = max(generated_tokens, 1)
-        out = {
+        device_rate = st.device_hits / st.experts_needed if st.experts_needed else 0.0
+        if self.plan.shared:  # the host cache is the pool: one tier, one rate
+            host_rate = device_rate
+        else:
+            host_rate = st.host_hits / st.host_lookups if st.host_lookups else 0.0
+        return {
             "expert_pool_slots": self.slots,
             "expert_host_slots": self.plan.host_slots if self.plan.host_slots is not None else self.plan.total_experts,
-            "expert_hit_rate_device": st.device_hits / st.experts_needed if st.experts_needed else 0.0,
-            "expert_hit_rate_host": st.host_hits / st.host_lookups if st.host_lookups else 0.0,
-            "expert_bytes_from_disk": st.bytes_from_disk,
-            "expert_bytes_from_host": st.bytes_from_host,
-            "expert_bytes_from_disk_per_token": st.bytes_from_disk / per_token,
-            "expert_bytes_from_host_per_token": st.bytes_from_host / per_token,
+            "expert_hit_rate_device": device_rate,
+            "expert_hit_rate_host": host_rate,
+            "expert_bytes_from_disk": st.bytes_from_disk / per_token,
+            "expert_bytes_from_host": st.bytes_from_host / per_token,
+            "expert_bytes_from_disk_total": st.bytes_from_disk,
+            "expert_bytes_from_host_total": st.bytes_from_host,
             "expert_disk_reads": st.disk_reads,
             "expert_prefetch_accuracy": st.predicted_used / st.predicted if st.predicted else 0.0,
             "expert_prefetch_reads": st.prefetch_reads,
             "expert_prefetch_reads_used": st.prefetch_reads_used,
+            "expert_prefetch_copies": st.prefetch_copies,
+            "expert_prefetch_copies_used": st.prefetch_copies_used,
             "expert_fetch_wait_s": st.fetch_wait_s,
         }
-        return out
 
     def resident(self, layer: int) -> list[int]:
         """Experts of `layer` in the device pool now."""
         return self.pool.resident(layer)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was closed: its expert store no longer reads the checkpoint")
+
     def close(self) -> None:
+        self._closed = True
         if self._readers is not None:
             self._readers.shutdown(wait=True, cancel_futures=True)
             self._readers = None
