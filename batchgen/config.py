@@ -69,7 +69,7 @@ class EngineConfig:
     expert_eviction: str = "routing"  # or "layer-order" (offload/policy.py)
     expert_prefetch: str = "auto"  # next-layer predictor: "router", "history", "none"; auto: router on CUDA, none on CPU
     expert_io_threads: int = 1  # reader threads for experts on disk
-    expert_overlap_reads: bool = False  # CPU: compute a stage's landed experts while the rest are read (store.py)
+    expert_overlap_reads: bool = True  # CPU: compute a stage's landed experts while the rest are read (store.py)
     # Keep the KV pool in host memory and run attention there (BatchGen / MoE-Gen on
     # memory-constrained GPUs): the decode batch is bounded by host memory, not device memory,
     # and the device keeps the expert GEMMs. On a CPU device that is the ordinary path.
