@@ -75,6 +75,7 @@ def add_commands(sub: Any) -> None:
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--device", default=None)
     bench.add_argument("--kv-cache-bytes", type=parse_size, default=256 << 20, metavar="SIZE")
+    bench.add_argument("--threads", type=int, metavar="N", help="torch threads while measuring (default: torch's)")
     bench.add_argument("--quick", action="store_true", help="a smaller grid (for tests)")
     bench.set_defaults(handler=run_bench_command)
 
@@ -146,7 +147,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from .profiles import save_profile
 
     profile = calibrate(args.calibrate, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
-                        quick=args.quick)
+                        quick=args.quick, threads=args.threads)
     save_profile(profile, args.output)
     print(f"batchgen bench: wrote {args.output}: fit over {profile.fit.get('points')} steps, "
           f"median relative error {profile.fit.get('median_rel_error', 0):.1%}", file=sys.stderr)
