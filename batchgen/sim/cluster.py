@@ -1,7 +1,7 @@
 """The simulated cluster: N SimEngines on one clock, rows placed by a policy (policies.py).
 
-Time advances in ticks (`tick_s`): every engine runs to the tick, then the policy acts: Dynamic
-hands a batch to each worker whose queue has drained; BatchGen calls `plan_migrations` on every
+Time advances in ticks (`tick_s`): every engine runs to the tick, then the policy acts. Dynamic
+needs no ticks to act: a worker whose queue drains pulls the next batch at once. BatchGen calls `plan_migrations` on every
 engine's load, as BalancePlugin does on each push, skipping workers in their cooldown after an
 order, and carries the orders out (suspend at the yield point, KV over the network or recompute
 by `prefer_transfer`, resume at the destination). Static needs no ticks: its workers never
@@ -72,12 +72,19 @@ def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, polic
     """Run `workload` to the end under `policy`. Deterministic: no randomness, no wall clock in
     any decision (wall_s only reports how long it took)."""
     t0 = time.perf_counter()
-    engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine) for i in range(cluster.workers)]
     orders = moved = 0
     if isinstance(policy, Dynamic):
         batches = deque(np.array_split(np.arange(workload.rows), math.ceil(workload.rows / policy.batch_rows)))
-        _run_ticks(engines, cluster, lambda now: _dispatch(engines, batches, workload, now), lambda: bool(batches))
+
+        def feed() -> list:
+            return _rows(workload, batches.popleft()) if batches else []
+
+        engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine, feed) for i in range(cluster.workers)]
+        # engines run one after another to each tick, so within a tick one may take a batch "before"
+        # another whose clock is earlier: which worker gets it, not when it starts, is off by < a tick
+        _run_ticks(engines, cluster, lambda now: None, lambda: bool(batches))
     else:
+        engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine) for i in range(cluster.workers)]
         for e, part in zip(engines, np.array_split(np.arange(workload.rows), cluster.workers)):
             for seq in _rows(workload, part):
                 e.add(seq)
@@ -109,13 +116,6 @@ def _run_ticks(engines: list[SimEngine], cluster: ClusterSimConfig, act: object,
         now += cluster.tick_s
         for e in engines:
             e.run_until(now)
-
-
-def _dispatch(engines: list[SimEngine], batches: deque, workload: Workload, now: float) -> None:
-    for e in engines:
-        if batches and not e.scheduler.waiting:
-            for seq in _rows(workload, batches.popleft()):
-                e.add(seq, now)
 
 
 class _Balancer:

@@ -1,7 +1,7 @@
 """A simulated engine: the runtime's own Scheduler and BlockAllocator, with a cost model for time.
 
 Every scheduling decision is `Scheduler.schedule()` (admission, chunked prefill, eviction by the
-configured policy) on real `Sequence` objects whose token lists are counts (`Tokens`): the
+configured policy) on real `Sequence` objects whose token lists are `range`s: the
 policy reads only lengths. Between decisions the engine advances in slices:
 
 - a forward that prefills, swaps in, or leaves a running sequence out is one step, as planned;
@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,16 +33,9 @@ from ..runtime.sequence import SeqId, SeqStatus, Sequence
 from .cost import CostModel, recompute_tokens_per_s
 
 
-class Tokens:
-    """Stands in for a token list: the policy only ever takes its length."""
-
-    __slots__ = ("n",)
-
-    def __init__(self, n: int = 0) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
+def token_list(n: int) -> range:
+    """Stands in for a token list: the policy only ever takes its length (a range's is C-fast)."""
+    return range(n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +45,10 @@ class SimRequest:
 
     max_tokens: int
     output_len: int
+
+    @property
+    def stop_at(self) -> int:
+        return min(self.max_tokens, self.output_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +81,8 @@ class EngineSimConfig:
 
 
 def make_sequence(row: int, prompt_len: int, max_tokens: int, output_len: int) -> Sequence:
-    return Sequence(SeqId(row), row, Tokens(prompt_len), SimRequest(max_tokens, output_len), 0,  # type: ignore[arg-type]
-                    output_ids=Tokens(0))  # type: ignore[arg-type]
+    return Sequence(SeqId(row), row, token_list(prompt_len), SimRequest(max_tokens, output_len), 0,  # type: ignore[arg-type]
+                    output_ids=token_list(0))  # type: ignore[arg-type]
 
 
 def _remaining(seq: Sequence) -> int:
@@ -169,11 +166,14 @@ class Arrival:
 class SimEngine:
     """One worker's engine for one model, on a simulated clock."""
 
-    def __init__(self, name: str, cost: CostModel, config: EngineSimConfig) -> None:
+    def __init__(self, name: str, cost: CostModel, config: EngineSimConfig,
+                 feeder: Callable[[], list[Sequence]] | None = None) -> None:
+        """feeder: called whenever the waiting queue has drained; returns the next rows (the
+        Dynamic policy's shared queue of batches), or [] when there are none left."""
         num_blocks = cost.kv_capacity_tokens // config.block_size
         if num_blocks < 1:
             raise PlanError(f"the KV pool holds {cost.kv_capacity_tokens} tokens: less than one block")
-        self.name, self.cost, self.config = name, cost, config
+        self.name, self.cost, self.config, self.feeder = name, cost, config, feeder
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.waiting = self.scheduler.waiting = WaitingQueue()
@@ -263,6 +263,9 @@ class SimEngine:
         """Advance to t_end (or a little past: a forward is not cut), or until out of work."""
         while self.now < t_end:
             self._take_arrivals()
+            if self.feeder is not None and not self.scheduler.waiting:
+                for seq in self.feeder():
+                    self.scheduler.add(seq)
             if not self.scheduler.has_work:
                 if not self.arrivals:  # idle: the clock stays at the last forward's end
                     break
@@ -334,7 +337,7 @@ class SimEngine:
             samples = item.samples
             item.seq.num_computed += item.num_new
             if samples:
-                item.seq.output_ids.n += 1  # type: ignore[attr-defined]
+                item.seq.output_ids = token_list(len(item.seq.output_ids) + 1)  # type: ignore[assignment]
                 self.generated += 1
                 self._finish_if_done(item.seq)
 
@@ -342,8 +345,8 @@ class SimEngine:
         """k >= 1 decode steps of the planned batch in closed form (see the module docstring)."""
         seqs = [item.seq for item in plan.scheduled]
         c0 = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
-        left = np.fromiter((min(s.params.output_len, s.params.max_tokens) - len(s.output_ids) for s in seqs),
-                           np.int64, len(seqs))
+        out0 = np.fromiter((len(s.output_ids) for s in seqs), np.int64, len(seqs))
+        left = np.fromiter((s.params.stop_at for s in seqs), np.int64, len(seqs)) - out0
         order = np.argsort(left, kind="stable")
         left_sorted, c_sorted = left[order], c0[order]
         nth = 0 if self.config.exact else max(0, math.ceil(self.config.finish_fraction * len(seqs)) - 1)
@@ -361,11 +364,11 @@ class SimEngine:
         self.now += float(cum[k - 1])
         steps = np.minimum(left, k)
         self.generated += int(steps.sum())
-        computed = (c0 + steps).tolist()
+        computed, outputs = (c0 + steps).tolist(), (out0 + steps).tolist()
         for i in range(len(seqs)):  # hot loop: plain ints
             seq = seqs[i]
             seq.num_computed = computed[i]
-            seq.output_ids.n += int(steps[i])  # type: ignore[attr-defined]
+            seq.output_ids = range(outputs[i])  # type: ignore[assignment]
         for i in np.flatnonzero(need).tolist():
             seqs[i].block_ids += self.allocator.allocate(int(need[i]))
         for i in np.flatnonzero(steps == left).tolist():
