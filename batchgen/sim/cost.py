@@ -114,13 +114,9 @@ FIT_TERMS = ("overhead_s", "per_token_s", "per_seq_s", "per_kv_token_s", "per_at
 
 def fit_features(tokens: ArrayLike, seqs: ArrayLike, kv_tokens: ArrayLike, attn_pairs: ArrayLike,
                  num_experts: int, top_k: int, num_moe_layers: int) -> np.ndarray:
-    """[n, len(FIT_TERMS)]: the regressors of FittedCost, in FIT_TERMS order."""
-    t = np.atleast_1d(np.asarray(tokens, dtype=np.float64))
-    cols = [np.ones_like(t), t, np.broadcast_to(np.asarray(seqs, dtype=np.float64), t.shape),
-            np.broadcast_to(np.asarray(kv_tokens, dtype=np.float64), t.shape),
-            np.broadcast_to(np.asarray(attn_pairs, dtype=np.float64), t.shape),
-            num_moe_layers * experts_touched(t, num_experts, top_k)]
-    return np.stack(cols, axis=-1)
+    """[..., len(FIT_TERMS)]: the regressors of FittedCost, in FIT_TERMS order (inputs broadcast)."""
+    t, s, k, a = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (tokens, seqs, kv_tokens, attn_pairs)))
+    return np.stack([np.ones_like(t), t, s, k, a, num_moe_layers * experts_touched(t, num_experts, top_k)], axis=-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +136,7 @@ class FittedCost:
                      attn_pairs: ArrayLike) -> np.ndarray:
         p = self.profile
         x = fit_features(tokens, seqs, kv_tokens, attn_pairs, p.num_experts, p.top_k, p.num_moe_layers)
-        coef = np.array([p.coefficients.get(k, 0.0) for k in FIT_TERMS])
-        out = x @ coef
-        return out if np.ndim(tokens) else out.reshape(())
+        return x @ np.array([p.coefficients.get(k, 0.0) for k in FIT_TERMS])
 
 
 def build_cost(profile: Profile, shape: ModelShape | None, tiers: ExpertTiers = ExpertTiers(),
