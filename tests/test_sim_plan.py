@@ -48,22 +48,22 @@ def test_json_has_exactly_the_documented_shape(capsys: pytest.CaptureFixture[str
 
 
 def test_table_and_sweep(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--rows", "200", "--workers", "2", "--profile", "h100", "--sweep-workers", "2,4"]) == 0
+    assert main(["plan", "--rows", "100", "--workers", "2", "--profile", "h100", "--sweep-workers", "2,4"]) == 0
     text = capsys.readouterr().out
     assert "[simulated]" in text and "batchgen speedup" in text
     sweep = text.split("sweep (simulated)")[1].splitlines()
     assert [line.split()[0] for line in sweep[2:]] == ["2", "4"]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_no_policy_beats_the_ideal_bound_and_runs_repeat_exactly(h200, seed: int) -> None:
-    w = synthetic("reasoning", 400, seed)
-    a = run_plan(w, h200, EngineSimConfig(), ClusterSimConfig(8))
-    b = run_plan(w, h200, EngineSimConfig(), ClusterSimConfig(8))
+    w = synthetic("reasoning", 240, seed)
+    a = run_plan(w, h200, EngineSimConfig(), ClusterSimConfig(6))
+    b = run_plan(w, h200, EngineSimConfig(), ClusterSimConfig(6))
     for ra, rb in zip(a.results, b.results):
         assert ra.bct_s >= a.ideal.bct_s
         assert (ra.bct_s, ra.busy_s, ra.migrated_coroutines) == (rb.bct_s, rb.busy_s, rb.migrated_coroutines)
-        assert ra.rows_done == 400
+        assert ra.rows_done == 240
 
 
 def test_balancing_orders_are_plan_migrations_on_the_same_state(h200, monkeypatch: pytest.MonkeyPatch) -> None:
