@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cluster.balance import plan_migrations
+from ..cluster.balance import Migration, plan_migrations
 from ..errors import PlanError
 from .cost import CostModel
 from .engine import Arrival, EngineSimConfig, SimEngine, make_sequence
@@ -119,7 +119,11 @@ def _run_ticks(engines: list[SimEngine], cluster: ClusterSimConfig, act: object,
 
 
 class _Balancer:
-    """BalancePlugin's loop on the simulated clock: loads in, the real plan_migrations, orders out."""
+    """BalancePlugin's loop on the simulated clock. Every worker pushes its load once a tick; as
+    in `handle_load`, each push plans over every fresh view not in cooldown with the real
+    plan_migrations and carries out the orders whose source is the pusher, which puts source and
+    destination in cooldown. The plan depends only on those views, so it is recomputed only after
+    an order changed them (the same answer as planning on every push)."""
 
     def __init__(self, engines: list[SimEngine], policy: BatchGen, cluster: ClusterSimConfig) -> None:
         self.engines = {e.name: e for e in engines}
@@ -130,12 +134,23 @@ class _Balancer:
     def tick(self, now: float) -> None:
         if not self.policy.balance.enabled:
             return
-        loads = [e.load() for name, e in self.engines.items() if self.cooldown_until[name] <= now]
-        # every partition was dealt at the start (Dask starts them all: tasks secede): none arriving
-        for order in plan_migrations(loads, self.policy.balance, arriving=False):
-            src, dst = self.engines[order.src], self.engines[order.dst]
-            for seq, kv_tokens in src.suspend(order.seq_ids):
-                dst.arrive(Arrival(max(now, src.now) + src.transfer_seconds(kv_tokens), seq, kv_tokens))
-                self.moved += 1
-            self.orders += 1
-            self.cooldown_until[order.src] = self.cooldown_until[order.dst] = now + self.cluster.cooldown_s
+        loads = {name: e.load() for name, e in self.engines.items()}
+        plan = None
+        for pusher in self.engines:
+            if plan is None:
+                fresh = [load for name, load in loads.items() if self.cooldown_until[name] <= now]
+                # every partition was dealt at the start (Dask starts them all: tasks secede): none arriving
+                plan = plan_migrations(fresh, self.policy.balance, arriving=False)
+            mine = [o for o in plan if o.src == pusher]
+            for order in mine:
+                self._carry_out(order, now)
+            if mine:
+                plan = None
+
+    def _carry_out(self, order: Migration, now: float) -> None:
+        src, dst = self.engines[order.src], self.engines[order.dst]
+        for seq, kv_tokens in src.suspend(order.seq_ids):
+            dst.arrive(Arrival(max(now, src.now) + src.transfer_seconds(kv_tokens), seq, kv_tokens))
+            self.moved += 1
+        self.orders += 1
+        self.cooldown_until[order.src] = self.cooldown_until[order.dst] = now + self.cluster.cooldown_s
