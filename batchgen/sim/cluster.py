@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +24,9 @@ from .cost import CostModel
 from .engine import Arrival, EngineSimConfig, SimEngine, make_sequence
 from .policies import BatchGen, Dynamic, Policy, Static
 from .workload import Workload
+
+if TYPE_CHECKING:
+    from ..runtime.sequence import Sequence
 
 # BalancePlugin's defaults (cluster/plugin.py); tests/test_sim_cluster.py keeps them equal.
 PLUGIN_COOLDOWN_S = 1.0
@@ -62,7 +67,7 @@ class SimResult:
         return sum(self.busy_s) / (self.workers * self.bct_s) if self.bct_s > 0 else 0.0
 
 
-def _rows(workload: Workload, rows: np.ndarray) -> list:
+def _rows(workload: Workload, rows: np.ndarray) -> list[Sequence]:
     p, o, m = workload.prompt_len, workload.output_len, workload.max_tokens
     return [make_sequence(int(r), int(p[r]), int(m[r]), int(o[r])) for r in rows]
 
@@ -74,9 +79,9 @@ def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, polic
     t0 = time.perf_counter()
     orders = moved = 0
     if isinstance(policy, Dynamic):
-        batches = deque(np.array_split(np.arange(workload.rows), math.ceil(workload.rows / policy.batch_rows)))
+        batches: deque[np.ndarray] = deque(np.array_split(np.arange(workload.rows), math.ceil(workload.rows / policy.batch_rows)))
 
-        def feed() -> list:
+        def feed() -> list[Sequence]:
             return _rows(workload, batches.popleft()) if batches else []
 
         engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine, feed) for i in range(cluster.workers)]
@@ -107,11 +112,12 @@ def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, polic
                      tuple(tuple(e.timeline) for e in engines) if keep_timelines else ())
 
 
-def _run_ticks(engines: list[SimEngine], cluster: ClusterSimConfig, act: object, pending: object) -> None:
+def _run_ticks(engines: list[SimEngine], cluster: ClusterSimConfig, act: Callable[[float], None],
+               pending: Callable[[], bool]) -> None:
     now = 0.0
     while True:
-        act(now)  # type: ignore[operator]
-        if not pending() and not any(e.has_work for e in engines):  # type: ignore[operator]
+        act(now)
+        if not pending() and not any(e.has_work for e in engines):
             return
         now += cluster.tick_s
         for e in engines:

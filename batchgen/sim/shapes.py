@@ -59,11 +59,6 @@ class ModelShape:
     def weight_bytes(self) -> int:
         return self.dense_bytes + self.total_expert_bytes
 
-    def with_dtype_bytes(self, n: int) -> ModelShape:
-        from dataclasses import replace
-
-        return replace(self, bytes_per_param=n)
-
 
 def _attention(a: GQASpec | MLASpec, hidden: int) -> tuple[int, int, int]:
     """-> (weight params, cached floats per token, FLOPs per query-context pair) of one layer."""
