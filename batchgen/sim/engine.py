@@ -11,8 +11,9 @@ policy reads only lengths. Between decisions the engine advances in slices:
   arrival (slices end at the cluster's ticks). So k calls of `schedule()` would return the same
   plans; tests/test_sim_engine.py checks this against the real calls.
   `exact` also cuts k at the first row that finishes. Otherwise (the default for fleet runs)
-  rows that finish inside a slice give their seat and blocks back at its end: at most
-  `quantum_steps` steps late, which the tests bound against the exact mode.
+  rows that finish inside a slice give their seat and blocks back at its end: a slice is at most
+  `quantum_steps` long and ends once `finish_fraction` of its batch has finished, and the tests
+  bound the effect on completion time against the exact mode.
 """
 from __future__ import annotations
 
