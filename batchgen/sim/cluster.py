@@ -1,7 +1,7 @@
 """The simulated cluster: N SimEngines on one clock, rows placed by a policy (policies.py).
 
-Time advances in ticks (`tick_s`): every engine runs to the tick, then the policy acts. Dynamic
-needs no ticks to act: a worker whose queue drains pulls the next batch at once. BatchGen calls `plan_migrations` on every
+Time advances in ticks (`tick_s`): every engine runs to the tick, then the policy acts: Dynamic
+deals batches to the workers whose queue has drained (until their seats are spoken for); BatchGen calls `plan_migrations` on every
 engine's load, as BalancePlugin does on each push, skipping workers in their cooldown after an
 order, and carries the orders out (suspend at the yield point, KV over the network or recompute
 by `prefer_transfer`, resume at the destination). Static needs no ticks: its workers never
@@ -79,15 +79,10 @@ def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, polic
     t0 = time.perf_counter()
     orders = moved = 0
     if isinstance(policy, Dynamic):
-        batches: deque[np.ndarray] = deque(np.array_split(np.arange(workload.rows), math.ceil(workload.rows / policy.batch_rows)))
-
-        def feed() -> list[Sequence]:
-            return _rows(workload, batches.popleft()) if batches else []
-
-        engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine, feed) for i in range(cluster.workers)]
-        # engines run one after another to each tick, so within a tick one may take a batch "before"
-        # another whose clock is earlier: which worker gets it, not when it starts, is off by < a tick
-        _run_ticks(engines, cluster, lambda now: None, lambda: bool(batches))
+        batches: deque[np.ndarray] = deque(np.array_split(np.arange(workload.rows),
+                                                          math.ceil(workload.rows / policy.batch_rows)))
+        engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine) for i in range(cluster.workers)]
+        _run_ticks(engines, cluster, lambda now: _deal(engines, batches, workload, now), lambda: bool(batches))
     else:
         engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine) for i in range(cluster.workers)]
         for e, part in zip(engines, np.array_split(np.arange(workload.rows), cluster.workers)):
@@ -122,6 +117,20 @@ def _run_ticks(engines: list[SimEngine], cluster: ClusterSimConfig, act: Callabl
         now += cluster.tick_s
         for e in engines:
             e.run_until(now)
+
+
+def _deal(engines: list[SimEngine], batches: deque[np.ndarray], workload: Workload, now: float) -> None:
+    """Workers that could start more rows pull a batch each, in turn, until their seats are
+    spoken for (workers pull at once, not one after another: round-robin, not first come)."""
+    hungry = [e for e in engines if not e.scheduler.waiting]
+    while batches and hungry:
+        for e in list(hungry):
+            if not batches:
+                return
+            for seq in _rows(workload, batches.popleft()):
+                e.add(seq, now)
+            if len(e.scheduler.running) + len(e.scheduler.waiting) >= e.config.max_num_seqs:
+                hungry.remove(e)
 
 
 class _Balancer:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,14 +95,11 @@ class Arrival:
 class SimEngine:
     """One worker's engine for one model, on a simulated clock."""
 
-    def __init__(self, name: str, cost: CostModel, config: EngineSimConfig,
-                 feeder: Callable[[], list[Sequence]] | None = None) -> None:
-        """feeder: called whenever the waiting queue has drained; returns the next rows (the
-        Dynamic policy's shared queue of batches), or [] when there are none left."""
+    def __init__(self, name: str, cost: CostModel, config: EngineSimConfig) -> None:
         num_blocks = cost.kv_capacity_tokens // config.block_size
         if num_blocks < 1:
             raise PlanError(f"the KV pool holds {cost.kv_capacity_tokens} tokens: less than one block")
-        self.name, self.cost, self.config, self.feeder = name, cost, config, feeder
+        self.name, self.cost, self.config = name, cost, config
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.waiting = self.scheduler.waiting = WaitingQueue()
@@ -193,9 +189,6 @@ class SimEngine:
         """Advance to t_end (or a little past: a forward is not cut), or until out of work."""
         while self.now < t_end:
             self._take_arrivals()
-            if self.feeder is not None and not self.scheduler.waiting:
-                for seq in self.feeder():
-                    self.scheduler.add(seq)
             if not self.scheduler.has_work:
                 if not self.arrivals:  # idle: the clock stays at the last forward's end
                     break
