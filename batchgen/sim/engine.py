@@ -58,9 +58,11 @@ class EngineSimConfig:
     block_size: int = 16
     eviction: Eviction = "newest"
     swap_space_bytes: int = 4 << 30  # host KV for evicted / arriving coroutines (EngineConfig's default)
-    quantum_steps: int = 128  # most decode steps one slice advances
-    # a slice also ends once this share of its batch has finished (their seats idle till then)
-    finish_fraction: float = 1 / 16
+    # Most decode steps one slice advances, and the share of its batch whose finishing ends a
+    # slice (their seats idle till then). On 781 reasoning rows on one H200 these left BCT 0.6%
+    # above the exact mode's and simulated 4x faster.
+    quantum_steps: int = 256
+    finish_fraction: float = 1 / 8
     exact: bool = False  # end a slice at each finishing row (every decision exactly as the runtime)
     migration_latency_s: float = 0.05  # suspend at a yield point + RPC, besides the KV bytes
 
