@@ -67,23 +67,33 @@ def test_no_policy_beats_the_ideal_bound_and_runs_repeat_exactly(h200, seed: int
 
 
 def test_balancing_orders_are_plan_migrations_on_the_same_state(h200, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[tuple[list, list]] = []
+    plans: list[tuple[list, list]] = []
+    done: list[tuple[int, object]] = []  # (index of the plan it came from, order)
 
     def recording(loads, config=None, *, arriving=False):  # type: ignore[no-untyped-def]
         loads = list(loads)
         orders = balance.plan_migrations(loads, config, arriving=arriving)
-        seen.append((loads, orders))
+        plans.append((loads, orders))
         return orders
 
+    carry_out = sim_cluster._Balancer._carry_out
+
+    def carried(self, order, now):  # type: ignore[no-untyped-def]
+        done.append((len(plans) - 1, order))
+        return carry_out(self, order, now)
+
     monkeypatch.setattr(sim_cluster, "plan_migrations", recording)
+    monkeypatch.setattr(sim_cluster._Balancer, "_carry_out", carried)
     w = synthetic("reasoning", 300, 0, order="sorted")  # skewed: the last worker gets the longest rows
     result = simulate(w, h200, EngineSimConfig(), BatchGen(), ClusterSimConfig(4, tick_s=2.0))
-    orders = [o for _, batch in seen for o in batch]
-    assert orders, "a sorted workload must make the balancer act"
-    for loads, got in seen:
+    assert done, "a sorted workload must make the balancer act"
+    for loads, got in plans:
         assert balance.plan_migrations(loads, BatchGen().balance) == got
-    assert result.migration_orders == len(orders)
-    assert result.migrated_coroutines == sum(len(o.seq_ids) for o in orders)
+        assert {x.worker for x in loads} <= {f"sim-worker-{i:04d}" for i in range(4)}
+    for index, order in done:  # every order carried out is one the policy gave on the latest views
+        assert order in plans[index][1]
+    assert result.migration_orders == len(done)
+    assert result.migrated_coroutines == sum(len(o.seq_ids) for _, o in done)  # type: ignore[attr-defined]
 
 
 def test_cooldown_is_the_plugins() -> None:
