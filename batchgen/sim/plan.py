@@ -41,7 +41,7 @@ def ideal_bound(workload: Workload, cost: CostModel, engine: EngineSimConfig, wo
     prefill_s = p.sum() * max(added, 0.0) / chunk
     # the longest row alone: its prefill, then decode steps of one sequence at a growing context
     alone = cost.step_seconds(p, 1, p, p * (p + 1) / 2) + o * cost.step_seconds(1, 1, p + o / 2, p + o / 2)
-    return IdealBound((decode_s + prefill_s) / workers, float(np.max(alone)))
+    return IdealBound(float(decode_s + prefill_s) / workers, float(np.max(alone)))
 
 
 @dataclass(frozen=True, slots=True)
