@@ -1,4 +1,5 @@
-"""``batchgen run`` (a file job) and ``batchgen demo`` (the same on a bundled file and model).
+"""``batchgen run`` (a file job) and ``batchgen demo`` (the same on a bundled file and model);
+``batchgen plan`` and ``batchgen bench`` come from batchgen/sim/cli.py.
 
 Exit codes: 0 when the job ran to the end, even if some rows failed (their error records say
 why; the summary counts them); 2 when it could not start (bad flags, unreadable input, missing
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", type=Path, default=Path("demo_out/results.jsonl"),
                       metavar="FILE", help="where to write the results (default: %(default)s)")
     _add_engine_flags(demo)
+    from batchgen.sim.cli import add_commands as add_sim_commands
+
+    add_sim_commands(sub)  # plan, bench: the simulator's commands, self-contained in sim/cli.py
     return parser
 
 
@@ -141,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
+        if args.command in ("plan", "bench"):
+            return args.handler(args)
         return _run(args)
     except BatchgenError as exc:
         print(f"batchgen: error: {exc}", file=sys.stderr)

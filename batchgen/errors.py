@@ -25,3 +25,7 @@ class RequestError(BatchgenError, ValueError):
 
 class StateError(BatchgenError):
     """A suspended coroutine state cannot be resumed here (wrong model, corrupt bytes)."""
+
+
+class PlanError(BatchgenError, ValueError):
+    """A simulation or plan cannot run: unknown profile, unreadable lengths file, bad option."""

@@ -37,6 +37,16 @@ class CoroutineInfo:
         return self.num_computed > 0
 
 
+# Most movable coroutines one load report lists (the policy needs candidates, not all of them).
+MAX_REPORTED = 256
+
+
+def reported_movable(coroutines: Iterable[CoroutineInfo], limit: int = MAX_REPORTED) -> tuple[CoroutineInfo, ...]:
+    """What an engine's load report lists as movable: not-started ones first (free to move), then
+    the most remaining; at most `limit`. The runner and the simulator both report through this."""
+    return tuple(sorted(coroutines, key=lambda c: (c.is_started, -c.remaining))[:limit])
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
     """One worker's engine for one model. `ready` False: the worker has no engine for it yet."""

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..outputs import RequestOutput
-from .balance import CoroutineInfo
+from .balance import MAX_REPORTED, CoroutineInfo, reported_movable
 from .spec import EngineSpec
+from .speed import SpeedMeter
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -31,10 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Most movable coroutines one load report lists (the policy needs candidates, not all of them).
-MAX_REPORTED = 256
+__all__ = ["MAX_REPORTED", "EngineRunner", "RowRef", "RunnerLoad"]
 _SNAPSHOT_EVERY_S = 0.1
-_SPEED_DECAY = 0.99  # per one-second rate sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +79,8 @@ class EngineRunner:
         self._closed = threading.Event()
         self._gate = threading.Lock()  # a command is either queued before close / failure, or refused
         self.failure: BaseException | None = None
-        self._tps, self._last_t, self._last_tokens, self._last_snap = 0.0, time.monotonic(), 0, 0.0
-        self._speed = 0.0
-        self._saturated = False  # rows waited at every snapshot of the current rate window
+        self._last_snap = 0.0
+        self._meter = SpeedMeter(time.monotonic())
         self._thread = threading.Thread(target=self._run, name=f"batchgen-engine:{spec.model}", daemon=True)
         self._thread.start()
 
@@ -287,23 +285,10 @@ class EngineRunner:
         self._last_snap = now
         load = engine.load()
         generated = int(engine.stats.generated_tokens)
-        self._saturated = self._saturated and load["waiting"] > 0
-        if now - self._last_t >= 1.0:
-            rate = (generated - self._last_tokens) / (now - self._last_t)
-            self._tps = rate if self._tps == 0 else 0.5 * self._tps + 0.5 * rate
-            if self._saturated:
-                # Speed is measured only while rows queued the whole second (the batch was as big
-                # as the engine allows): a rate then is capacity, not load. A peak, slowly
-                # forgotten while saturated (half-life ~70 saturated seconds), so a device that got
-                # slower (shared) is followed; unsaturated seconds leave it as it is.
-                self._speed = max(rate, _SPEED_DECAY * self._speed)
-            self._last_t, self._last_tokens, self._saturated = now, generated, load["waiting"] > 0
-        movable = []  # own coroutines and those held for others (which re-migrate via their owner)
-        for seq_id, remaining in load["remaining_by_seq"].items():
-            if seq_id in self._tickets:
-                movable.append(CoroutineInfo(int(seq_id), int(remaining), engine.get(seq_id).num_computed))
-        # not-started ones first (free to move), then most remaining
-        movable.sort(key=lambda c: (c.is_started, -c.remaining))
+        self._meter.observe(now, generated, load["waiting"])
+        # own coroutines and those held for others (which re-migrate via their owner)
+        movable = [CoroutineInfo(int(seq_id), int(remaining), engine.get(seq_id).num_computed)
+                   for seq_id, remaining in load["remaining_by_seq"].items() if seq_id in self._tickets]
         self._load = RunnerLoad(True, load["waiting"], load["running"], float(load["kv_used_fraction"]),
-                                int(load["remaining_tokens"]), self._tps, generated,
-                                tuple(movable[:MAX_REPORTED]), self._speed)
+                                int(load["remaining_tokens"]), self._meter.tokens_per_s, generated,
+                                reported_movable(movable), self._meter.speed)

@@ -113,15 +113,16 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
             need = self.allocator.extra_blocks(len(seq.block_ids), seq.num_computed + n)
-            while not self.allocator.can_allocate(need):
-                unscheduled = self.running[i:]
-                victim = pick_victim(unscheduled, self.config.eviction) if len(unscheduled) > 1 else seq
-                plan.evicted.append(self.evict(victim, "evict:kv-pool-full"))
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            seq.block_ids += self.allocator.allocate(need)
+            if need:  # most decode steps need no new block: skip the pool entirely (hot loop)
+                while not self.allocator.can_allocate(need):
+                    unscheduled = self.running[i:]
+                    victim = pick_victim(unscheduled, self.config.eviction) if len(unscheduled) > 1 else seq
+                    plan.evicted.append(self.evict(victim, "evict:kv-pool-full"))
+                    if victim is seq:
+                        break
+                if seq.status is not SeqStatus.RUNNING:
+                    continue
+                seq.block_ids += self.allocator.allocate(need)
             plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1

@@ -25,7 +25,9 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+# eq=False: a coroutine is itself, not its field values; the scheduler's `in` / `remove` on its
+# queues then compare identities instead of building two tuples of every field per comparison.
+@dataclass(slots=True, eq=False)
 class Sequence:
     seq_id: SeqId
     request_index: int

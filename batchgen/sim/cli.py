@@ -1,0 +1,154 @@
+"""``batchgen plan`` (simulate a job on a fleet) and ``batchgen bench --calibrate`` (fit a profile).
+
+Parsers only here; the simulator is imported when a command runs. Bad input raises PlanError
+(exit 2 from the CLI, with the message naming the option and the value).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import PlanError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512MiB', '24GB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 8GiB or 512MiB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _worker_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected worker counts like 8,16,32, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected worker counts >= 1 like 8,16,32, got {text!r}")
+    return values
+
+
+def add_commands(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan", help="simulate a batch job on a fleet: completion time per policy (simulated)",
+        description="Simulate the job on --workers engines with the real scheduling and balancing "
+        "code and a cost model from --profile; print the batch completion time (BCT), GPU-hours and "
+        "utilization of static partitioning, dynamic batches and batchgen, and the ideal bound. "
+        "Figures are simulated, not measured.")
+    plan.add_argument("--rows", type=int, metavar="N", help="rows of the synthetic workload (with "
+                      "--lengths: use the first N rows of the file)")
+    plan.add_argument("--workers", type=int, metavar="W", help="engines (GPUs) in the fleet")
+    plan.add_argument("--profile", required=True, metavar="P", help="H100, H200, A100-80G, A5000, L4, "
+                      "or a profile JSON from `batchgen bench --calibrate`")
+    plan.add_argument("--model", metavar="DIR", help="model directory (its config.json gives the shapes) or "
+                      "qwen3-30b-a3b, deepseek-v3, mixtral-8x7b (default for GPU profiles: qwen3-30b-a3b)")
+    plan.add_argument("--lengths", type=Path, metavar="FILE", help="Parquet/CSV/JSONL with prompt_tokens and "
+                      "output_tokens columns (optional max_tokens), or an OpenAI batch file (needs --model DIR)")
+    plan.add_argument("--workload", default="reasoning", choices=["reasoning", "summarization", "classification"],
+                      help="synthetic length model (default: reasoning)")
+    plan.add_argument("--order", default="random", choices=["random", "sorted"],
+                      help="row order of the synthetic workload; sorted: longest outputs last")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--expert-memory", type=parse_size, metavar="SIZE", help="device memory for routed "
+                      "experts (e.g. 8GiB); the rest is fetched from host memory / disk per forward")
+    plan.add_argument("--max-num-seqs", type=int, default=256, metavar="N")
+    plan.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N")
+    plan.add_argument("--sweep-workers", type=_worker_list, metavar="LIST",
+                      help="also simulate these fleet sizes, e.g. 8,16,32,64,128")
+    plan.add_argument("--png", type=Path, metavar="FILE", help="draw per-worker utilization over time (matplotlib)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.set_defaults(handler=run_plan_command)
+
+    bench = sub.add_parser("bench", help="measure this machine's engine and fit a profile for `plan`",
+                           description="Time the real engine over a grid of batch sizes and context "
+                           "lengths and fit the simulator's step-time model to it.")
+    bench.add_argument("--calibrate", required=True, type=Path, metavar="MODEL_DIR", help="model to measure")
+    bench.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="profile JSON to write")
+    bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--kv-cache-bytes", type=parse_size, default=256 << 20, metavar="SIZE")
+    bench.add_argument("--threads", type=int, metavar="N", help="torch threads while measuring (default: torch's)")
+    bench.add_argument("--quick", action="store_true", help="a smaller grid (for tests)")
+    bench.set_defaults(handler=run_bench_command)
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
+    from .cost import ExpertTiers, build_cost
+    from .profiles import FittedProfile, load_profile
+    from .shapes import load_shape
+    from .workload import load_lengths, synthetic
+
+    profile = load_profile(args.profile)
+    model = args.model or (None if isinstance(profile, FittedProfile) else "qwen3-30b-a3b")
+    shape = load_shape(model) if model and not isinstance(profile, FittedProfile) else None
+    cost = build_cost(profile, shape, ExpertTiers(args.expert_memory))
+    if args.lengths is not None:
+        workload = load_lengths(args.lengths, Path(args.model) if args.model else None, args.workload, args.seed)
+        if args.rows is not None:
+            if args.rows < 1:
+                raise PlanError(f"--rows must be >= 1, got {args.rows}")
+            workload = workload.head(args.rows)
+    elif args.rows is None:
+        raise PlanError("give --rows N (a synthetic workload) or --lengths FILE")
+    else:
+        workload = synthetic(args.workload, args.rows, args.seed, args.order)
+    name = shape.name if shape else getattr(profile, "model", "?")
+    offload = f", experts on device {args.expert_memory / 2**30:.1f} GiB" if args.expert_memory is not None else ""
+    return workload, cost, profile, f"{name} on {profile.name}{offload}"
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    from .cluster import ClusterSimConfig
+    from .engine import EngineSimConfig
+    from .plan import format_report, run_plan
+
+    if args.workers is None and not args.sweep_workers:
+        raise PlanError("give --workers W (or --sweep-workers LIST)")
+    workload, cost, _, what = _load(args)
+    engine = EngineSimConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    counts = ([args.workers] if args.workers else []) + [w for w in (args.sweep_workers or []) if w != args.workers]
+    reports = [run_plan(workload, cost, engine, ClusterSimConfig(w), keep_timelines=bool(args.png) and i == 0)
+               for i, w in enumerate(counts)]
+    if args.png:
+        from .chart import draw_utilization
+
+        draw_utilization(reports[0], args.png)
+    if args.json:
+        out = reports[0].to_json()
+        if len(reports) > 1:
+            out = {**out, "sweep": {str(r.workers): r.to_json() for r in reports}}
+        print(json.dumps(out))
+        return 0
+    rows = f"{workload.rows} rows ({workload.name}, {workload.output_tokens} output tokens)"
+    print(format_report(reports[0], f"batchgen plan: {rows}, {counts[0]} x {what}"))
+    if len(reports) > 1:
+        print("\nsweep (simulated): workers, BCT and GPU-hours per policy")
+        names = [r.policy for r in reports[0].results]
+        print(f"{'workers':>8} " + " ".join(f"{n + ' BCT':>14} {n + ' GPU-h':>14}" for n in names)
+              + f" {'ideal BCT':>12}")
+        for rep in sorted(reports, key=lambda r: r.workers):
+            cells = " ".join(f"{r.bct_s:14.1f} {r.gpu_hours:14.2f}" for r in rep.results)
+            print(f"{rep.workers:8d} {cells} {rep.ideal.bct_s:12.1f}")
+    if args.png:
+        print(f"wrote {args.png}", file=sys.stderr)
+    return 0
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from .calibrate import calibrate
+    from .profiles import save_profile
+
+    profile = calibrate(args.calibrate, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
+                        quick=args.quick, threads=args.threads)
+    save_profile(profile, args.output)
+    print(f"batchgen bench: wrote {args.output}: fit over {profile.fit.get('points')} steps, "
+          f"median relative error {profile.fit.get('median_rel_error', 0):.1%}", file=sys.stderr)
+    return 0

@@ -1,0 +1,171 @@
+"""The simulated cluster: N SimEngines on one clock, rows placed by a policy (policies.py).
+
+Time advances in ticks (`tick_s`): every engine runs to the tick, then the policy acts: Dynamic
+deals batches to the workers whose queue has drained (until their seats are spoken for); BatchGen calls `plan_migrations` on every
+engine's load, as BalancePlugin does on each push, skipping workers in their cooldown after an
+order, and carries the orders out (suspend at the yield point, KV over the network or recompute
+by `prefer_transfer`, resume at the destination). Static needs no ticks: its workers never
+interact, so each runs to the end alone.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..cluster.balance import Migration, plan_migrations
+from ..errors import PlanError
+from .cost import CostModel
+from .engine import Arrival, EngineSimConfig, SimEngine, make_sequence
+from .policies import BatchGen, Dynamic, Policy, Static
+from .workload import Workload
+
+if TYPE_CHECKING:
+    from ..runtime.sequence import Sequence
+
+# BalancePlugin's defaults (cluster/plugin.py); tests/test_sim_cluster.py keeps them equal.
+PLUGIN_COOLDOWN_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSimConfig:
+    workers: int
+    tick_s: float = 1.0  # how often the policy looks (the plugin's pushes come every 0.2 s; see README)
+    cooldown_s: float = PLUGIN_COOLDOWN_S
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise PlanError(f"--workers must be >= 1, got {self.workers}")
+        if not self.tick_s > 0 or self.cooldown_s < 0:
+            raise PlanError(f"tick_s must be > 0 and cooldown_s >= 0, got {self.tick_s}, {self.cooldown_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    policy: str
+    workers: int
+    bct_s: float
+    busy_s: tuple[float, ...]  # per worker
+    rows_done: int
+    rows_failed: int
+    migration_orders: int = 0
+    migrated_coroutines: int = 0
+    wall_s: float = 0.0  # how long simulating took
+    timelines: tuple[tuple[tuple[float, float, int], ...], ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.workers * self.bct_s / 3600
+
+    @property
+    def utilization(self) -> float:
+        return sum(self.busy_s) / (self.workers * self.bct_s) if self.bct_s > 0 else 0.0
+
+
+def _rows(workload: Workload, rows: np.ndarray) -> list[Sequence]:
+    p, o, m = workload.prompt_len, workload.output_len, workload.max_tokens
+    return [make_sequence(int(r), int(p[r]), int(m[r]), int(o[r])) for r in rows]
+
+
+def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, policy: Policy,
+             cluster: ClusterSimConfig, keep_timelines: bool = False) -> SimResult:
+    """Run `workload` to the end under `policy`. Deterministic: no randomness, no wall clock in
+    any decision (wall_s only reports how long it took)."""
+    t0 = time.perf_counter()
+    orders = moved = 0
+    if isinstance(policy, Dynamic):
+        batches: deque[np.ndarray] = deque(np.array_split(np.arange(workload.rows),
+                                                          math.ceil(workload.rows / policy.batch_rows)))
+        engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine) for i in range(cluster.workers)]
+        _run_ticks(engines, cluster, lambda now: _deal(engines, batches, workload, now), lambda: bool(batches))
+    else:
+        engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine) for i in range(cluster.workers)]
+        for e, part in zip(engines, np.array_split(np.arange(workload.rows), cluster.workers)):
+            for seq in _rows(workload, part):
+                e.add(seq)
+        if isinstance(policy, Static):
+            for e in engines:
+                e.run_until(math.inf)
+        elif isinstance(policy, BatchGen):
+            balancer = _Balancer(engines, policy, cluster)
+            _run_ticks(engines, cluster, balancer.tick, lambda: False)
+            orders, moved = balancer.orders, balancer.moved
+        else:
+            raise PlanError(f"unknown policy {policy!r}")
+    done = [t for e in engines for _, t in e.finished]
+    failed = sum(len(e.errors) for e in engines)
+    if len(done) + failed != workload.rows:
+        raise AssertionError(f"{policy.name}: {len(done)} rows finished and {failed} failed of {workload.rows}")
+    bct = max(done, default=0.0)
+    return SimResult(policy.name, cluster.workers, bct, tuple(min(e.busy_s, bct) for e in engines), len(done), failed,
+                     orders, moved, time.perf_counter() - t0,
+                     tuple(tuple(e.timeline) for e in engines) if keep_timelines else ())
+
+
+def _run_ticks(engines: list[SimEngine], cluster: ClusterSimConfig, act: Callable[[float], None],
+               pending: Callable[[], bool]) -> None:
+    now = 0.0
+    while True:
+        act(now)
+        if not pending() and not any(e.has_work for e in engines):
+            return
+        now += cluster.tick_s
+        for e in engines:
+            e.run_until(now)
+
+
+def _deal(engines: list[SimEngine], batches: deque[np.ndarray], workload: Workload, now: float) -> None:
+    """Workers that could start more rows pull a batch each, in turn, until their seats are
+    spoken for (workers pull at once, not one after another: round-robin, not first come)."""
+    hungry = [e for e in engines if not e.scheduler.waiting]
+    while batches and hungry:
+        for e in list(hungry):
+            if not batches:
+                return
+            for seq in _rows(workload, batches.popleft()):
+                e.add(seq, now)
+            if len(e.scheduler.running) + len(e.scheduler.waiting) >= e.config.max_num_seqs:
+                hungry.remove(e)
+
+
+class _Balancer:
+    """BalancePlugin's loop on the simulated clock. Every worker pushes its load once a tick; as
+    in `handle_load`, each push plans over every fresh view not in cooldown with the real
+    plan_migrations and carries out the orders whose source is the pusher, which puts source and
+    destination in cooldown. The plan depends only on those views, so it is recomputed only after
+    an order changed them (the same answer as planning on every push)."""
+
+    def __init__(self, engines: list[SimEngine], policy: BatchGen, cluster: ClusterSimConfig) -> None:
+        self.engines = {e.name: e for e in engines}
+        self.policy, self.cluster = policy, cluster
+        self.cooldown_until = {e.name: 0.0 for e in engines}
+        self.orders = self.moved = 0
+
+    def tick(self, now: float) -> None:
+        if not self.policy.balance.enabled:
+            return
+        loads = {name: e.load() for name, e in self.engines.items()}
+        plan = None
+        for pusher in self.engines:
+            if plan is None:
+                fresh = [load for name, load in loads.items() if self.cooldown_until[name] <= now]
+                # every partition was dealt at the start (Dask starts them all: tasks secede): none arriving
+                plan = plan_migrations(fresh, self.policy.balance, arriving=False)
+            mine = [o for o in plan if o.src == pusher]
+            for order in mine:
+                self._carry_out(order, now)
+            if mine:
+                plan = None
+
+    def _carry_out(self, order: Migration, now: float) -> None:
+        src, dst = self.engines[order.src], self.engines[order.dst]
+        for seq, kv_tokens in src.suspend(order.seq_ids):
+            dst.arrive(Arrival(max(now, src.now) + src.transfer_seconds(kv_tokens), seq, kv_tokens))
+            self.moved += 1
+        self.orders += 1
+        self.cooldown_until[order.src] = self.cooldown_until[order.dst] = now + self.cluster.cooldown_s

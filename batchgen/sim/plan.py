@@ -1,0 +1,104 @@
+"""`batchgen plan`'s engine: every policy on one workload, the ideal bound, a worker sweep."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from .cluster import ClusterSimConfig, SimResult, simulate
+from .cost import CostModel
+from .engine import EngineSimConfig
+from .policies import DEFAULT_POLICIES, Policy
+from .workload import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class IdealBound:
+    """No placement beats either term: the work spread perfectly over all workers, each at its
+    full-batch rate, and the longest row run alone (a row cannot be split)."""
+
+    work_s: float  # total work / workers
+    longest_row_s: float
+
+    @property
+    def bct_s(self) -> float:
+        return max(self.work_s, self.longest_row_s)
+
+
+def ideal_bound(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int) -> IdealBound:
+    p = workload.prompt_len.astype(np.float64)
+    o = workload.output_len.astype(np.float64)
+    ctx = float((o * (p + o / 2)).sum() / o.sum())  # mean context a generated token attends to
+    batch = max(1, min(engine.max_num_seqs, int(cost.kv_capacity_tokens // max(ctx, 1.0))))
+    kv = batch * ctx
+    step = float(cost.step_seconds(batch, batch, kv, kv))
+    decode_s = o.sum() * step / batch
+    # prefill tokens ride along the full decode batch: their cost is what they add to its step
+    chunk = max(1, engine.max_num_batched_tokens - batch)
+    mean_p = float(p.mean())
+    added = float(cost.step_seconds(batch + chunk, batch + 1, kv + chunk, kv + chunk * (mean_p / 2))) - step
+    prefill_s = p.sum() * max(added, 0.0) / chunk
+    # the longest row alone: its prefill, then decode steps of one sequence at a growing context
+    alone = cost.step_seconds(p, 1, p, p * (p + 1) / 2) + o * cost.step_seconds(1, 1, p + o / 2, p + o / 2)
+    return IdealBound(float(decode_s + prefill_s) / workers, float(np.max(alone)))
+
+
+@dataclass(frozen=True, slots=True)
+class PlanReport:
+    workers: int
+    results: tuple[SimResult, ...]
+    ideal: IdealBound
+
+    def by_name(self, name: str) -> SimResult:
+        return next(r for r in self.results if r.policy == name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"policies": {r.policy: {"bct_s": r.bct_s, "gpu_hours": r.gpu_hours, "utilization": r.utilization}
+                             for r in self.results},
+                "ideal_bct_s": self.ideal.bct_s}
+
+
+def default_tick(ideal: IdealBound) -> float:
+    """How often the simulated plugin looks. The real one plans on every push (0.2 s) and keeps a
+    worker out for its 1 s cooldown after an order, so a tick of 1 s with one push per worker is
+    its cadence. Jobs of many hours get at most ~1000 ticks, so a plan stays minutes to compute:
+    the balancer then acts less often than the plugin would (see README)."""
+    return float(max(1.0, ideal.bct_s / 1000))
+
+
+def run_plan(workload: Workload, cost: CostModel, engine: EngineSimConfig, cluster: ClusterSimConfig,
+             policies: tuple[Policy, ...] = DEFAULT_POLICIES, keep_timelines: bool = False,
+             tick_s: float | None = None) -> PlanReport:
+    ideal = ideal_bound(workload, cost, engine, cluster.workers)
+    if tick_s is None:
+        cluster = replace(cluster, tick_s=default_tick(ideal))
+    results = tuple(simulate(workload, cost, engine, p, cluster, keep_timelines) for p in policies)
+    return PlanReport(cluster.workers, results, ideal)
+
+
+def format_report(report: PlanReport, title: str) -> str:
+    lines = [f"{title}  [simulated]", f"{'policy':10} {'BCT':>12} {'GPU-hours':>10} {'utilization':>12} {'moved':>8}"]
+    for r in report.results:
+        lines.append(f"{r.policy:10} {_duration(r.bct_s):>12} {r.gpu_hours:10.2f} {r.utilization:12.1%} "
+                     f"{r.migrated_coroutines:8d}")
+    i = report.ideal
+    lines.append(f"{'ideal':10} {_duration(i.bct_s):>12} {report.workers * i.bct_s / 3600:10.2f}   "
+                 f"(work / workers {_duration(i.work_s)}, longest row alone {_duration(i.longest_row_s)})")
+    names = {r.policy for r in report.results}
+    if "batchgen" in names:
+        b = report.by_name("batchgen").bct_s
+        parts = [f"{report.by_name(n).bct_s / b:.2f}x over {n}" for n in ("static", "dynamic") if n in names]
+        lines.append(f"batchgen speedup: {', '.join(parts) or '-'}; batchgen / ideal {b / i.bct_s:.3f}")
+    failed = sum(r.rows_failed for r in report.results)
+    if failed:
+        lines.append(f"warning: {failed} rows could never fit the KV pool and count as failed")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.1f} s"

@@ -1,0 +1,114 @@
+"""Device profiles: a GPU's published figures (shipped JSON) or a calibrated fit (bench --calibrate).
+
+A GPU profile is a device only; the cost model applies it to a model's shapes. A fitted profile
+was measured with one model on one machine and carries that model's fitted step-time curve.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..errors import PlanError
+
+BUILTIN_PROFILES = ("H100", "H200", "A100-80G", "A5000", "L4")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProfile:
+    """Published figures of one GPU, plus the efficiency assumptions that turn peaks into times."""
+
+    name: str
+    memory_bytes: float
+    peak_flops: float  # dense bf16
+    hbm_bytes_per_s: float
+    pcie_bytes_per_s: float  # host <-> device, each way
+    network_bytes_per_s: float  # between workers (migration)
+    nvlink_bytes_per_s: float = 0.0
+    host_memory_bytes: float = 0.0
+    disk_bytes_per_s: float = 0.0
+    compute_efficiency: float = 0.5
+    memory_efficiency: float = 0.8
+    step_overhead_s: float = 0.002
+    memory_utilization: float = 0.9
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+    kind: str = "gpu"
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "peak_flops", "hbm_bytes_per_s", "pcie_bytes_per_s", "network_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise PlanError(f"profile {self.name!r}: {name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("compute_efficiency", "memory_efficiency", "memory_utilization"):
+            if not 0 < getattr(self, name) <= 1:
+                raise PlanError(f"profile {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FittedProfile:
+    """Step time measured on a real engine and fitted (see cost.FittedCost for the terms)."""
+
+    name: str
+    model: str  # the model the fit was measured with (config.json's directory name)
+    coefficients: dict[str, float]
+    kv_capacity_tokens: int
+    kv_bytes_per_token: int
+    num_experts: int  # routed experts per MoE layer of the model measured (0: dense)
+    top_k: int
+    num_moe_layers: int
+    network_bytes_per_s: float
+    host_bytes_per_s: float
+    source: str
+    fit: dict[str, Any] = field(default_factory=dict, compare=False)
+    kind: str = "fitted"
+
+    def __post_init__(self) -> None:
+        if self.kv_capacity_tokens < 1:
+            raise PlanError(f"profile {self.name!r}: kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
+        bad = {k: v for k, v in self.coefficients.items() if not v >= 0}
+        if bad:
+            raise PlanError(f"profile {self.name!r}: coefficients must be >= 0, got {bad}")
+
+
+Profile = GpuProfile | FittedProfile
+
+
+def _from_dict(data: dict[str, Any], origin: str) -> Profile:
+    kind = data.get("kind", "gpu")
+    cls: type[GpuProfile] | type[FittedProfile]
+    cls = FittedProfile if kind == "fitted" else GpuProfile if kind == "gpu" else None  # type: ignore[assignment]
+    if cls is None:
+        raise PlanError(f"profile {origin}: unknown kind {kind!r} (gpu or fitted)")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise PlanError(f"profile {origin}: unknown fields {unknown}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise PlanError(f"profile {origin}: {exc}") from exc
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped GPU name (case-insensitive: H100, H200, A100-80G, A5000, L4) or a JSON file."""
+    text = str(name_or_path)
+    builtin = {p.lower(): p for p in BUILTIN_PROFILES}
+    if text.lower() in builtin:
+        raw = (resources.files("batchgen.sim") / "profiles" / f"{text.lower()}.json").read_text(encoding="utf-8")
+        return _from_dict(json.loads(raw), builtin[text.lower()])
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise PlanError(f"--profile {text!r}: not a shipped profile ({', '.join(BUILTIN_PROFILES)}) and no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"--profile {text}: cannot read it as JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise PlanError(f"--profile {text}: expected a JSON object")
+    return _from_dict(data, str(path))
+
+
+def save_profile(profile: FittedProfile, path: Path) -> None:
+    data = {f.name: getattr(profile, f.name) for f in fields(profile)}
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

@@ -1,0 +1,194 @@
+"""Workloads: each row's prompt length, true output length and max_tokens, as numpy arrays.
+
+The policies see only what the runtime sees (prompt and max_tokens); the true output length
+decides when the simulated row stops, as EOS would. Synthetic shapes follow what production
+traces show: reasoning outputs are heavy-tailed (log-t: most rows a few thousand tokens, a few
+at the tens-of-thousands cap), summarization reads long and writes little, classification is
+short both ways.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from ..errors import PlanError
+
+Order = Literal["random", "sorted"]
+PROMPT_COLUMNS = ("prompt_tokens", "prompt_len", "input_tokens")
+OUTPUT_COLUMNS = ("output_tokens", "output_len", "completion_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class LengthModel:
+    """exp(log(median) + sigma * X), X standard normal (df None) or Student-t with df degrees,
+    clipped to [low, high]."""
+
+    median: float
+    sigma: float
+    low: int
+    high: int
+    df: float | None = None
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        x = rng.standard_t(self.df, n) if self.df else rng.standard_normal(n)
+        return np.clip(np.exp(np.log(self.median) + self.sigma * x), self.low, self.high).astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadKind:
+    prompt: LengthModel
+    output: LengthModel
+    max_tokens: int  # what the job asks for: the policies' upper bound on every row
+
+
+WORKLOADS: dict[str, WorkloadKind] = {
+    "reasoning": WorkloadKind(LengthModel(400, 0.8, 16, 8192), LengthModel(1500, 0.85, 16, 32768, df=4), 32768),
+    "summarization": WorkloadKind(LengthModel(3000, 0.6, 256, 32768), LengthModel(200, 0.5, 16, 1024), 1024),
+    "classification": WorkloadKind(LengthModel(200, 0.5, 8, 2048), LengthModel(3, 0.5, 1, 8), 16),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    prompt_len: np.ndarray  # [rows] int64
+    output_len: np.ndarray  # [rows] int64, >= 1
+    max_tokens: np.ndarray  # [rows] int64, >= output_len
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt_len)
+        if n == 0:
+            raise PlanError(f"workload {self.name!r} has no rows")
+        if len(self.output_len) != n or len(self.max_tokens) != n:
+            raise PlanError(f"workload {self.name!r}: column lengths differ")
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompt_len)
+
+    @property
+    def output_tokens(self) -> int:
+        return int(self.output_len.sum())
+
+    def head(self, n: int) -> Workload:
+        return Workload(self.name, self.prompt_len[:n], self.output_len[:n], self.max_tokens[:n])
+
+
+def synthetic(kind: str, rows: int, seed: int = 0, order: Order = "random") -> Workload:
+    """`rows` rows of a named workload (WORKLOADS); `order` sorted: longest outputs last."""
+    if kind not in WORKLOADS:
+        raise PlanError(f"--workload {kind!r}: unknown; choose from {', '.join(WORKLOADS)}")
+    if rows < 1:
+        raise PlanError(f"--rows must be >= 1, got {rows}")
+    w = WORKLOADS[kind]
+    rng = np.random.default_rng(seed)
+    prompt, output = w.prompt.draw(rng, rows), w.output.draw(rng, rows)
+    if order == "sorted":
+        idx = np.argsort(output, kind="stable")
+        prompt, output = prompt[idx], output[idx]
+    return Workload(kind, prompt, output, np.full(rows, max(w.max_tokens, int(output.max())), dtype=np.int64))
+
+
+def _pick(columns: list[str], names: tuple[str, ...], path: Path) -> str:
+    found = [c for c in names if c in columns]
+    if not found:
+        raise PlanError(f"--lengths {path}: needs a column named one of {', '.join(names)}; "
+                        f"it has {', '.join(map(str, columns)) or 'none'}")
+    return found[0]
+
+
+def _checked(values: object, column: str, path: Path, low: int) -> np.ndarray:
+    import pandas as pd
+
+    s = pd.Series(values)
+    numeric = pd.to_numeric(s, errors="coerce")
+    bad = s.index[numeric.isna() | (numeric < low) | (numeric != numeric.round())]
+    if len(bad):
+        row = int(bad[0])
+        raise PlanError(f"--lengths {path}: row {row}, column {column}: expected an integer >= {low}, "
+                        f"got {s.iloc[row]!r}")
+    return numeric.to_numpy(dtype=np.int64)
+
+
+def from_table(path: Path) -> Workload:
+    """Parquet, CSV or JSONL of prompt and output lengths (token counts), one row each; an
+    optional max_tokens column (else each row's output length is its max_tokens)."""
+    import pandas as pd
+
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            df = pd.read_parquet(path)
+        elif suffix == ".csv":
+            df = pd.read_csv(path)
+        else:
+            df = pd.read_json(path, lines=True)
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"--lengths {path}: cannot read it: {exc}") from exc
+    columns = [str(c) for c in df.columns]
+    prompt_col, output_col = _pick(columns, PROMPT_COLUMNS, path), _pick(columns, OUTPUT_COLUMNS, path)
+    prompt = _checked(df[prompt_col], prompt_col, path, 1)
+    output = _checked(df[output_col], output_col, path, 1)
+    max_tokens = _checked(df["max_tokens"], "max_tokens", path, 1) if "max_tokens" in columns else output
+    short = np.flatnonzero(max_tokens < output)
+    if len(short):
+        r = int(short[0])
+        raise PlanError(f"--lengths {path}: row {r}: max_tokens {max_tokens[r]} is below output_tokens {output[r]}")
+    return Workload(path.stem, prompt, output, np.maximum(max_tokens, output))
+
+
+def _is_openai_batch(path: Path) -> bool:
+    if path.suffix.lower() != ".jsonl":
+        return False
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    first = json.loads(raw)
+                except ValueError:
+                    return False
+                return isinstance(first, dict) and "custom_id" in first and "body" in first
+    return False
+
+
+def from_openai_batch(path: Path, model_dir: Path, kind: str, seed: int) -> Workload:
+    """An OpenAI batch input file: prompts tokenized by the model's tokenizer; each row's
+    max_tokens from its body; output lengths drawn from workload `kind`, capped at max_tokens
+    (a batch file says what may be generated, not what will be)."""
+    from ..io.openai_batch import OpenAIBatchReader
+    from ..io.rows import RowContext
+    from ..models.info import ModelInfo
+
+    info = ModelInfo.load(model_dir)  # ModelLoadError names what is missing
+    if info.tokenizer is None:
+        raise PlanError(f"--lengths {path}: the model {model_dir} has no tokenizer to measure prompts with")
+    reader = OpenAIBatchReader(path, RowContext(info.tokenizer, info.vocab_size, info.max_model_len))
+    prompt, max_tokens = [], []
+    for req in reader.requests():
+        if req.is_valid and req.prompt_token_ids is not None and req.params is not None:
+            prompt.append(len(req.prompt_token_ids))
+            max_tokens.append(int(req.params.max_tokens))
+    if not prompt:
+        raise PlanError(f"--lengths {path}: no valid requests in it")
+    if kind not in WORKLOADS:
+        raise PlanError(f"--workload {kind!r}: unknown; choose from {', '.join(WORKLOADS)}")
+    cap = np.array(max_tokens, dtype=np.int64)
+    output = np.minimum(WORKLOADS[kind].output.draw(np.random.default_rng(seed), len(prompt)), cap)
+    return Workload(path.stem, np.array(prompt, dtype=np.int64), np.maximum(output, 1), np.maximum(cap, 1))
+
+
+def load_lengths(path: Path, model_dir: Path | None = None, kind: str = "reasoning", seed: int = 0) -> Workload:
+    if not path.is_file():
+        raise PlanError(f"--lengths {path}: no such file")
+    if path.suffix.lower() not in (".parquet", ".csv", ".jsonl", ".json"):
+        raise PlanError(f"--lengths {path}: expected .parquet, .csv or .jsonl")
+    if _is_openai_batch(path):
+        if model_dir is None or not Path(model_dir).is_dir():
+            raise PlanError(f"--lengths {path} is an OpenAI batch file: its prompts are tokenized, so "
+                            "--model must be a model directory with a tokenizer")
+        return from_openai_batch(path, Path(model_dir), kind, seed)
+    return from_table(path)

@@ -1,0 +1,72 @@
+"""Simulated fleet benchmarks (every figure here is simulated, not measured on GPUs).
+
+(1) 128 simulated H200s, 100k rows of the reasoning workload on a Qwen3-30B-A3B-shaped model:
+    BCT of static partitioning, dynamic batches and batchgen, the ideal bound, and the ratios
+    the targets name (static / batchgen >= 2.3, batchgen / ideal <= 1.05). Run for the rows in
+    random order and sorted by output length (long rows last: the order that makes static
+    partitioning leave most GPUs idle).
+(2) How long simulating 1M rows on 128 workers takes on this machine (target: < 2 minutes).
+
+    python benchmarks/bench_sim.py                    # (1), both orders, ~5-10 min on 2 cores
+    python benchmarks/bench_sim.py --million          # (2): the batchgen policy on 1M rows
+    python benchmarks/bench_sim.py --rows 20000 --workers 32 --orders random   # quicker
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from batchgen.sim.cluster import ClusterSimConfig, simulate
+from batchgen.sim.cost import build_cost
+from batchgen.sim.engine import EngineSimConfig
+from batchgen.sim.plan import default_tick, format_report, ideal_bound, run_plan
+from batchgen.sim.policies import BatchGen
+from batchgen.sim.profiles import load_profile
+from batchgen.sim.shapes import load_shape
+from batchgen.sim.workload import synthetic
+
+
+def fleet(rows: int, workers: int, profile: str, model: str, order: str, workload: str) -> None:
+    cost = build_cost(load_profile(profile), load_shape(model))
+    w = synthetic(workload, rows, seed=0, order=order)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    report = run_plan(w, cost, EngineSimConfig(), ClusterSimConfig(workers))
+    wall = time.perf_counter() - t0
+    print(format_report(report, f"{rows} rows ({workload}, {order} order), {workers} x {model} on {profile}"))
+    b, s = report.by_name("batchgen").bct_s, report.by_name("static").bct_s
+    print(f"targets: static / batchgen {s / b:.2f} (>= 2.3), batchgen / ideal {b / report.ideal.bct_s:.3f} (<= 1.05); "
+          f"simulated in {wall:.0f} s ({', '.join(f'{r.policy} {r.wall_s:.0f} s' for r in report.results)})\n")
+
+
+def million(rows: int, workers: int, profile: str, model: str, workload: str) -> None:
+    cost = build_cost(load_profile(profile), load_shape(model))
+    t0 = time.perf_counter()
+    w = synthetic(workload, rows, seed=0)
+    engine = EngineSimConfig()
+    tick = default_tick(ideal_bound(w, cost, engine, workers))
+    result = simulate(w, cost, engine, BatchGen(), ClusterSimConfig(workers, tick_s=tick))
+    wall = time.perf_counter() - t0
+    print(f"{rows} rows ({workload}) on {workers} x {model} on {profile}, batchgen policy: simulated BCT "
+          f"{result.bct_s / 3600:.2f} h, {result.migrated_coroutines} coroutines moved; simulating took {wall:.0f} s "
+          f"(target < 120 s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--workers", type=int, default=128)
+    ap.add_argument("--profile", default="H200")
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--workload", default="reasoning")
+    ap.add_argument("--orders", default="random,sorted")
+    ap.add_argument("--million", action="store_true", help="time 1M rows (batchgen policy) instead")
+    args = ap.parse_args()
+    if args.million:
+        million(1_000_000 if args.rows == 100_000 else args.rows, args.workers, args.profile, args.model, args.workload)
+        return
+    for order in args.orders.split(","):
+        fleet(args.rows, args.workers, args.profile, args.model, order, args.workload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The simulator predicts a real job: a skewed batch on a 2-worker LocalCluster (processes),
+batchgen's balancing on, against `simulate` with a profile calibrated on those same workers.
+
+The figure is printed (pytest -s): predicted / measured batch completion time.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+from distributed import Client, LocalCluster
+
+import batchgen.cluster as bc
+from batchgen.cluster.balance import BalanceConfig
+from batchgen.demo import build_demo_model, tokenizer_vocab_size
+from batchgen.sim.calibrate import calibrate
+from batchgen.sim.cluster import ClusterSimConfig, simulate
+from batchgen.sim.cost import FittedCost
+from batchgen.sim.engine import EngineSimConfig
+from batchgen.sim.policies import BatchGen
+from batchgen.sim.profiles import FittedProfile
+from batchgen.sim.workload import Workload
+
+OPTIONS = {"dtype": "float32", "kv_cache_bytes": 64 << 20}
+ROWS = 128
+
+
+def _rows(vocab: int) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    prompts = [[1] + rng.integers(5, vocab, int(rng.integers(8, 32))).tolist() for _ in range(ROWS)]
+    lengths = np.sort(np.clip(rng.lognormal(3.6, 0.7, ROWS), 8, 192).astype(int))  # long rows last: skew
+    return pd.DataFrame({"prompt": pd.Series(prompts, dtype=pd.ArrowDtype(pa.list_(pa.int64()))),
+                         "max_tokens": lengths})
+
+
+def _calibrate(model: str) -> FittedProfile:
+    return calibrate(Path(model), quick=True, threads=1, **OPTIONS)
+
+
+def _average(profiles: list[FittedProfile]) -> FittedProfile:
+    """Both workers measured at once (sharing the machine as during the job): their mean fit."""
+    keys = profiles[0].coefficients
+    mean = {k: float(np.mean([p.coefficients[k] for p in profiles])) for k in keys}
+    p = profiles[0]
+    return FittedProfile(p.name, p.model, mean, p.kv_capacity_tokens, p.kv_bytes_per_token, p.num_experts,
+                         p.top_k, p.num_moe_layers, p.network_bytes_per_s, p.host_bytes_per_s, p.source, p.fit)
+
+
+@pytest.mark.slow
+def test_predicted_bct_within_25_percent_of_a_real_two_worker_job(tmp_path: Path) -> None:
+    model = str(build_demo_model(tmp_path / "demo", dtype="float32"))
+    pdf = _rows(tokenizer_vocab_size(model))
+    ddf = dd.from_pandas(pdf, npartitions=2, sort=False)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                      env={"OMP_NUM_THREADS": "1"}) as cluster, Client(cluster) as client:
+        workers = sorted(client.scheduler_info()["workers"])
+        profile = _average(client.gather([client.submit(_calibrate, model, workers=[w], pure=False) for w in workers]))
+        bc.connect(client=client, balance=BalanceConfig())
+        warm = pdf.iloc[:1].assign(max_tokens=2)
+        client.gather([client.submit(bc.generate, warm, model=model, per_row={"max_tokens": "max_tokens"},
+                                     engine_options=OPTIONS, temperature=0.0, ignore_eos=True, workers=[w], pure=False)
+                       for w in workers])
+        t0 = time.perf_counter()
+        out = ddf.map_partitions(bc.generate, model=model, per_row={"max_tokens": "max_tokens"},
+                                 engine_options=OPTIONS, temperature=0.0, ignore_eos=True).compute()
+        measured = time.perf_counter() - t0
+        moved = bc.metrics(client).get("migrations", 0)
+        bc.disconnect(client)
+    assert (out["num_generated_tokens"] == out["max_tokens"]).all()
+
+    lengths = pdf["max_tokens"].to_numpy(dtype=np.int64)
+    workload = Workload("honesty", np.array([len(p) for p in pdf["prompt"]], dtype=np.int64), lengths, lengths)
+    engine = EngineSimConfig(max_num_seqs=256, max_num_batched_tokens=2048)  # EngineConfig's defaults
+    sim = simulate(workload, FittedCost.build(profile), engine, BatchGen(BalanceConfig()),
+                   ClusterSimConfig(2, tick_s=0.2))
+    ratio = sim.bct_s / measured
+    print(f"\nhonesty: predicted BCT {sim.bct_s:.2f} s, measured {measured:.2f} s, predicted/measured {ratio:.3f}; "
+          f"migrated coroutines: measured {moved}, simulated {sim.migrated_coroutines}")
+    assert abs(ratio - 1) < 0.25, (sim.bct_s, measured)
