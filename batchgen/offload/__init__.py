@@ -13,11 +13,12 @@ if TYPE_CHECKING:
     import torch
 
     from .policy import TierPlan
-    from .store import ExpertStore, HostExperts, RouterPredict, StoreOptions
+    from .state import HostExperts, StoreOptions
+    from .store import ExpertStore, RouterPredict
 
 __all__ = ["ExpertStore", "ExpertReadError", "HostExperts", "StoreOptions", "TierPlan", "expert_tier_plan",
            "build_store"]
-_LAZY = {"ExpertStore": ".store", "HostExperts": ".store", "StoreOptions": ".store", "ExpertReadError": ".disk",
+_LAZY = {"ExpertStore": ".store", "HostExperts": ".state", "StoreOptions": ".state", "ExpertReadError": ".disk",
          "TierPlan": ".policy"}
 
 

@@ -23,59 +23,16 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .disk import DiskExperts, ExpertReadError
-from .policy import EVICTIONS, PREDICTORS, RoutingStats, TierPlan, next_moe_layer, resolve_predictor
+from .policy import RoutingStats, TierPlan, next_moe_layer, resolve_predictor
 from .pool import Key, Pending, SlotPool
+from .state import HostExperts, StoreOptions, StoreStats
 
 RouterPredict = Callable[[int, torch.Tensor], list[int]]  # (MoE layer, hidden [T, H]) -> expert ids
-
-
-@dataclass(slots=True)
-class HostExperts:
-    """One MoE layer's routed experts, all in host memory."""
-
-    w13: torch.Tensor  # [E, 2N, H]
-    w2: torch.Tensor  # [E, H, N]
-
-
-@dataclass(slots=True)
-class StoreStats:
-    stages: int = 0
-    experts_needed: int = 0
-    device_hits: int = 0
-    host_hits: int = 0  # device misses found in host memory
-    host_lookups: int = 0  # device misses looked up in the host tier
-    disk_reads: int = 0
-    bytes_from_disk: int = 0
-    bytes_from_host: int = 0  # host -> device pool copies
-    predicted: int = 0  # experts the predictor named for a coming stage
-    predicted_used: int = 0  # ... that the stage then needed
-    prefetch_reads: int = 0  # experts read ahead from disk (into host memory)
-    prefetch_reads_used: int = 0  # ... that a stage then needed before they were evicted
-    prefetch_copies: int = 0  # CUDA: experts copied ahead host -> device pool on the side stream
-    prefetch_copies_used: int = 0
-    fetch_wait_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class StoreOptions:
-    eviction: str = "routing"
-    predictor: str = "auto"
-    io_threads: int = 1
-    overlap_reads: bool = True  # CPU host cache: compute a stage's landed experts while the rest are read
-
-    def __post_init__(self) -> None:
-        if self.eviction not in EVICTIONS:
-            raise ValueError(f"expert_eviction must be one of {EVICTIONS}, got {self.eviction!r}")
-        if self.predictor not in PREDICTORS:
-            raise ValueError(f"expert_prefetch must be one of {PREDICTORS}, got {self.predictor!r}")
-        if not isinstance(self.io_threads, int) or self.io_threads < 1:
-            raise ValueError(f"expert_io_threads must be a positive integer, got {self.io_threads!r}")
 
 
 class ExpertStore:
@@ -119,12 +76,8 @@ class ExpertStore:
         router predictor reads it). Raises ExpertReadError when an expert cannot be read."""
         self._check_open()
         t0 = time.perf_counter()
-        self._tick += 1
         st = self.stats
-        needed = torch.unique(topk_ids).tolist()
-        self._score_prediction(layer, needed)
-        self.routing.observe(layer, self.num_experts[layer], needed)
-        self._land_reads()
+        needed = self._begin_stage(layer, topk_ids)
         keep = {(layer, e) for e in needed}
         for e in needed:  # reads ahead into the pool itself (shared tier) that this stage needs
             if (layer, e) in self.pool.pending:
@@ -169,13 +122,9 @@ class ExpertStore:
             yield self.fetch(layer, x, topk_ids)
             return
         t0 = time.perf_counter()
-        self._tick += 1
         st, pool, disk = self.stats, self.pool, self.disk
         assert disk is not None
-        needed = torch.unique(topk_ids).tolist()
-        self._score_prediction(layer, needed)
-        self.routing.observe(layer, self.num_experts[layer], needed)
-        self._land_reads()
+        needed = self._begin_stage(layer, topk_ids)
         keep = {(layer, e) for e in needed}
         st.stages += 1
         st.experts_needed += len(needed)
@@ -402,40 +351,22 @@ class ExpertStore:
             self.stats.prefetch_reads += 1
             self._prefetched.add(key)
 
-    def _score_prediction(self, layer: int, needed: list[int]) -> None:
+    def _begin_stage(self, layer: int, topk_ids: torch.Tensor) -> list[int]:
+        """A MoE stage starts: -> the experts it needs. Scores the prediction made for it,
+        updates the routing statistics, lands the reads ahead that have finished."""
+        self._tick += 1
+        needed = torch.unique(topk_ids).tolist()
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             self.stats.predicted += len(predicted)
             self.stats.predicted_used += len(predicted.intersection(needed))
+        self.routing.observe(layer, self.num_experts[layer], needed)
+        self._land_reads()
+        return needed
 
-    # -- reporting --------------------------------------------------------------------------------
+    # -- reporting and life ------------------------------------------------------------------------
     def summary(self, generated_tokens: int) -> dict[str, float]:
-        """expert_bytes_from_disk / _from_host are per generated token (the issue's measure of an
-        offload design); the _total keys are the byte counts."""
-        st = self.stats
-        per_token = max(generated_tokens, 1)
-        device_rate = st.device_hits / st.experts_needed if st.experts_needed else 0.0
-        if self.plan.shared:  # the host cache is the pool: one tier, one rate
-            host_rate = device_rate
-        else:
-            host_rate = st.host_hits / st.host_lookups if st.host_lookups else 0.0
-        return {
-            "expert_pool_slots": self.slots,
-            "expert_host_slots": self.plan.host_slots if self.plan.host_slots is not None else self.plan.total_experts,
-            "expert_hit_rate_device": device_rate,
-            "expert_hit_rate_host": host_rate,
-            "expert_bytes_from_disk": st.bytes_from_disk / per_token,
-            "expert_bytes_from_host": st.bytes_from_host / per_token,
-            "expert_bytes_from_disk_total": st.bytes_from_disk,
-            "expert_bytes_from_host_total": st.bytes_from_host,
-            "expert_disk_reads": st.disk_reads,
-            "expert_prefetch_accuracy": st.predicted_used / st.predicted if st.predicted else 0.0,
-            "expert_prefetch_reads": st.prefetch_reads,
-            "expert_prefetch_reads_used": st.prefetch_reads_used,
-            "expert_prefetch_copies": st.prefetch_copies,
-            "expert_prefetch_copies_used": st.prefetch_copies_used,
-            "expert_fetch_wait_s": st.fetch_wait_s,
-        }
+        return self.stats.summary(self.plan, self.slots, generated_tokens)
 
     def resident(self, layer: int) -> list[int]:
         """Experts of `layer` in the device pool now."""
