@@ -15,6 +15,7 @@ _EXPORTS = {
     "EngineConfig": "batchgen.config",
     "RequestOutput": "batchgen.outputs",
     "SamplingParams": "batchgen.sampling_params",
+    "StructuredOutputsParams": "batchgen.structured.params",
     "BatchgenError": "batchgen.errors",
     "ModelLoadError": "batchgen.errors",
     "RequestError": "batchgen.errors",

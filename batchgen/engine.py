@@ -33,6 +33,7 @@ from .runtime.stats import RuntimeStats
 from .runtime.suspend import CoroutineCodec
 from .sampler import sample
 from .sampling_params import SamplingParams, find_stop_span
+from .structured.rows import RowGrammars
 
 Prompt = str | list[int]
 
@@ -67,6 +68,7 @@ class Engine:
         self._rng = random.Random(self.config.seed)
         self._busy_s = 0.0
         self._host_kv: dict[SeqId, Any] = {}  # swapped-out KV [layers, tokens, W] on the host
+        self.grammars = RowGrammars(self.tokenizer, self.vocab_size, self.eos_token_ids)  # structured outputs
 
     def _kv_budget(self) -> int:
         """Bytes for the KV pool: as configured; else on CUDA what the utilization target leaves
@@ -90,6 +92,7 @@ class Engine:
             params = check_params(params, self.vocab_size)
             ids = prompt_to_ids(prompt, self.tokenizer, self.vocab_size)
             check_length(len(ids), params, self.max_model_len, self.allocator.capacity_tokens)
+            self.grammars.check(params)  # compiled once per distinct spec
         except RequestError as exc:
             seq = Sequence(seq_id, index, [], params, seed)
             seq.finish("error", str(exc))
@@ -127,7 +130,7 @@ class Engine:
             seqs = [item.seq for item in samplers]
             result = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
                             [len(s.output_ids) for s in seqs], [s.prompt_ids for s in seqs],
-                            [s.output_ids for s in seqs], self.eos_token_ids)
+                            [s.output_ids for s in seqs], self.eos_token_ids, self.grammars.bitmask(seqs))
             for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
                 if self._append_token(seq, tok, lp):
                     self._release(seq)
@@ -151,6 +154,15 @@ class Engine:
         logits = torch.cat([a[1], b[1]]) if a[0] and b[0] else (a[1] if a[0] else b[1])
         return a[0] + b[0], logits, a[2] + b[2]
 
+    def _advance_grammar(self, seq: Sequence, tok: int) -> None:
+        """Structured outputs: a grammar that is complete ends its row ("stop", also on the row's
+        last allowed token); one whose state failed or that rejects the token fails the row alone."""
+        try:
+            if self.grammars.accept(seq, tok):
+                seq.finish("stop", why="grammar")
+        except RequestError as exc:
+            seq.finish("error", str(exc))
+
     def _maybe_swap_out(self, seq: Sequence, blocks: list[int], num_computed: int) -> None:
         """Keep an evicted coroutine's KV in host memory when that beats recomputing it."""
         nbytes = num_computed * self.model.kv_bytes_per_token()
@@ -163,6 +175,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.release(seq)
+        self.grammars.drop(seq.seq_id)
         self._host_kv.pop(seq.seq_id, None)
         seq.num_swapped = 0
 
@@ -193,6 +206,8 @@ class Engine:
             seq.finish("stop")
         elif p.stop_list and self.tokenizer is not None and self._hit_stop_string(seq, n >= p.min_tokens):
             seq.finish("stop", why="stop-string")
+        if not seq.is_finished and p.structured_outputs is not None:
+            self._advance_grammar(seq, tok)
         if not seq.is_finished and (n >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             seq.finish("length")
         return seq.is_finished
@@ -328,6 +343,7 @@ class Engine:
         try:  # this engine's context and pool may be smaller than the one it came from
             check_params(seq.params, self.vocab_size)
             check_length(len(seq.prompt_ids), seq.params, self.max_model_len, self.allocator.capacity_tokens)
+            self.grammars.check(seq.params)
         except RequestError as exc:
             seq.finish("error", f"cannot resume here: {exc}")
             return seq_id

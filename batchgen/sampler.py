@@ -8,6 +8,11 @@ the exponential race argmax(probs / q), q ~ Exponential(1).
 Each random row's q comes from a CPU generator seeded by (seed, step) alone, so a request's
 tokens do not depend on its batch company, its row, or where it was suspended and resumed.
 Rows are assumed to hold valid params (``SamplingParams.validate`` ran at admission).
+
+Structured outputs: a row with a grammar gets its token mask first (disallowed ids -inf, as
+vLLM applies the grammar bitmask to the logits before its sampler); rows without are untouched.
+A masked token has probability 0, so the race above picks among the allowed ones with the same
+noise as an unmasked row: seeded rows stay batch-invariant.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.sampling_params import SamplingParams
+from batchgen.structured.bitmask import TokenBitmask, apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 # Uniform draws worth a thread of their own (~1 ms of mt19937).
@@ -79,12 +85,17 @@ def sample(logits: torch.Tensor,
            steps: Sequence[int],
            prompt_ids: Sequence[Sequence[int]],
            output_ids: Sequence[Sequence[int]],
-           eos_token_ids: Sequence[int]) -> SampleResult:
+           eos_token_ids: Sequence[int],
+           token_bitmask: TokenBitmask | None = None) -> SampleResult:
     """Choose one token per row. ``logits``: [B, V] raw model logits, any float dtype, any device.
 
     ``seeds`` holds each row's effective seed (the engine draws one when params.seed is None and
     keeps it with the request); ``steps`` the number of tokens the row generated so far.
+    ``token_bitmask``: the structured-output rows' allowed tokens; those rows of ``logits`` are
+    masked in place (and their logprobs are of the masked distribution, as in vLLM).
     """
+    if token_bitmask is not None:
+        apply_token_bitmask(logits, token_bitmask)
     B, V = logits.shape
     dev = logits.device
     min_tok_rows = [i for i, p in enumerate(params) if steps[i] < p.min_tokens]
@@ -247,6 +258,7 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
         k = int(params[i].logprobs)
         d = {t: chosen_lp[j]}
         for tid, v in zip(top_i[j][:k], top_v[j][:k]):
-            d.setdefault(tid, v)
+            if v != float("-inf"):  # a grammar-masked token: not a candidate (and not JSON)
+                d.setdefault(tid, v)
         out[i] = d
     return out

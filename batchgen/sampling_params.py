@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from batchgen.structured.params import StructuredOutputsParams
+
 # A check returns a message naming the field and value, or None.
 _Check = Callable[["SamplingParams", "int | None"], "str | None"]
 
@@ -47,6 +49,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    # JSON schema / regex / choice / grammar constraint (see batchgen/structured); a mapping of
+    # its fields is converted here (unknown keys raise TypeError, as unknown fields do)
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, Mapping):
+            self.structured_outputs = StructuredOutputsParams.from_mapping(self.structured_outputs)
 
     @property
     def stop_list(self) -> list[str]:
@@ -212,6 +221,15 @@ def _check_stop_token_ids(p: SamplingParams, vocab_size: int | None) -> str | No
     return None
 
 
+def _check_structured_outputs(p: SamplingParams, vocab_size: int | None) -> str | None:
+    so = p.structured_outputs
+    if so is None:
+        return None
+    if not isinstance(so, StructuredOutputsParams):
+        return f"structured_outputs must be a StructuredOutputsParams, got {_show(so)}"
+    return so.validate()
+
+
 _CHECKS: tuple[_Check, ...] = (
     _check_n,
     _int_field("max_tokens", 1),
@@ -231,6 +249,7 @@ _CHECKS: tuple[_Check, ...] = (
     _real_field("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
     _real_field("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
     _bool_field("include_stop_str_in_output"),
+    _check_structured_outputs,
 )
 
 

@@ -98,6 +98,10 @@ class Tokenizer:
         """tokenizer.json's post-processor decides about BOS/EOS, as in transformers 5."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def to_json(self) -> str:
+        """tokenizer.json's text (structured outputs hand it to the grammar library)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
