@@ -124,11 +124,27 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="stop when TEXT is generated (not included); repeatable")
     g.add_argument("--ignore-eos", action="store_true", default=None,
                    help="keep generating past EOS (for benchmarks)")
+    g.add_argument("--json-schema", type=_json_arg, metavar="FILE|JSON", dest="json_schema",
+                   help="every row's output follows this JSON schema (a file, or the JSON itself); "
+                        "a row's response_format or json_schema column overrides it")
+    g.add_argument("--structured-outputs", type=_json_arg, metavar="FILE|JSON", dest="structured_outputs",
+                   help='vLLM\'s structured_outputs for every row, e.g. \'{"regex": "[0-9]{4}"}\' or '
+                        '\'{"choice": ["yes", "no"]}\'')
 
 
 def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
-    fields = [f for _, f, _, _ in _SAMPLING_FLAGS] + ["stop", "ignore_eos"]
+    fields = [f for _, f, _, _ in _SAMPLING_FLAGS] + ["stop", "ignore_eos", "json_schema", "structured_outputs"]
     return {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+
+
+def _json_arg(text: str) -> Any:
+    """A JSON value given inline or as the path of a file holding it."""
+    path = Path(text)
+    try:
+        source = path.read_text() if not text.lstrip().startswith(("{", "[")) and path.is_file() else text
+        return json.loads(source)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON file or JSON text: {exc}") from None
 
 
 def param_columns(specs: Sequence[str]) -> dict[str, str]:

@@ -26,10 +26,12 @@ import pandas as pd
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..structured.params import StructuredOutputsParams
 
 OUTPUT_COLUMNS = ("generated_text", "num_generated_tokens", "finish_reason", "error")
 _EMULATE = frozenset({"emulate", "_emulate"})
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+JSON_SCHEMA = "json_schema"  # per_row key: a column of JSON schemas (objects or JSON text)
 
 
 def text_dtype() -> Any:
@@ -54,8 +56,9 @@ def check_columns(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, s
         raise KeyError(f"prompt_column {prompt_column!r} is not a column of the partition; "
                        f"columns: {list(pdf.columns)}")
     for name, column in per_row.items():
-        if name not in _SAMPLING_FIELDS:
-            raise TypeError(f"per_row key {name!r} is not a SamplingParams field; known: {sorted(_SAMPLING_FIELDS)}")
+        if name not in _SAMPLING_FIELDS and name != JSON_SCHEMA:
+            raise TypeError(f"per_row key {name!r} is not a SamplingParams field or {JSON_SCHEMA!r}; "
+                            f"known: {sorted(_SAMPLING_FIELDS)}")
         if column not in pdf.columns:
             raise KeyError(f"per_row maps {name!r} to column {column!r}, which the partition does not have; "
                            f"columns: {list(pdf.columns)}")
@@ -81,9 +84,21 @@ def read_requests(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, s
                 continue
             if name in ints and isinstance(value, float) and value.is_integer():
                 value = int(value)
+            if name == JSON_SCHEMA:
+                name, value = "structured_outputs", with_schema(base.structured_outputs, value)
             overrides[name] = value
         requests.append((prompt, replace(base, **overrides) if overrides else base))
     return requests
+
+
+def with_schema(job: StructuredOutputsParams | None, schema: Any) -> StructuredOutputsParams:
+    """A row's json_schema cell as its constraint, keeping the job's structured_outputs options.
+    A bad schema (not JSON, not compilable) is judged by the engine, so only that row fails."""
+    if isinstance(schema, bytes):
+        schema = schema.decode("utf-8", "replace")
+    if job is None:
+        return StructuredOutputsParams(json=schema)
+    return replace(job, json=schema, regex=None, choice=None, grammar=None, json_object=None)
 
 
 def output_frame(pdf: pd.DataFrame, outputs: list[RequestOutput]) -> pd.DataFrame:

@@ -32,11 +32,13 @@ def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prom
     model: model directory (Hugging Face layout). prompt_column: strings, or lists of token ids
     (on Dask, keep those as a pyarrow list column: dask's `dataframe.convert-string` turns
     Python lists in object columns into strings). per_row: SamplingParams field -> column name,
-    e.g. {"max_tokens": "max_tokens"}; NA in such a column keeps the default. engine_options:
+    e.g. {"max_tokens": "max_tokens"}, or {"json_schema": "schema_col"} (a JSON schema per row,
+    an object or JSON text); NA in such a column keeps the default. engine_options:
     EngineConfig keyword arguments (dtype, max_num_seqs, kv_cache_bytes, ...). expert_memory /
     expert_host_memory: `batchgen run`'s --expert-memory / --expert-host-memory (bytes or sizes
     like "2GiB": device and host memory for routed experts, the rest streamed from host memory
-    and from the checkpoint on disk). sampling: SamplingParams fields shared by all rows.
+    and from the checkpoint on disk). sampling: SamplingParams fields shared by all rows, e.g.
+    structured_outputs=StructuredOutputsParams(json=SCHEMA), or json_schema=SCHEMA.
 
     Returns `pdf` (same index, same order) plus `generated_text`, `num_generated_tokens`,
     `finish_reason` ("stop" | "length" | "error") and `error` (NA, or a message naming the row,
@@ -47,7 +49,14 @@ def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prom
     from .frame import check_columns, is_meta_call, output_frame, placeholder_output, read_requests
     from .spec import EngineSpec
 
+    schema = sampling.pop("json_schema", None)  # one JSON schema for the job
     base = SamplingParams(**sampling)  # an unknown field name raises TypeError here
+    if schema is not None:
+        from dataclasses import replace
+
+        from .frame import with_schema
+
+        base = replace(base, structured_outputs=with_schema(base.structured_outputs, schema))
     per_row = dict(per_row or {})
     check_columns(pdf, prompt_column, per_row)
     spec = EngineSpec.make(model, _with_expert_budgets(engine_options, expert_memory, expert_host_memory))

@@ -14,13 +14,13 @@ from typing import Any, get_type_hints
 
 from batchgen.errors import RequestError
 from batchgen.io.request import RowError, describe
+from batchgen.io.structured import JSON_SCHEMA, StructuredFieldError, from_body, from_response_format, resolve
 from batchgen.sampling_params import SamplingParams
 
 # OpenAI fields accepted only with one of these values.
 _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "stream": (False,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
-    "response_format": ({"type": "text"},),
 }
 # OpenAI fields that do not change what is generated.
 _OPENAI_IGNORED = frozenset({
@@ -29,6 +29,8 @@ _OPENAI_IGNORED = frozenset({
 })
 _PROMPT_FIELDS = frozenset({"prompt", "messages"})
 FIELD_NAMES = frozenset(SamplingParams.__dataclass_fields__)
+# Per-row fields that are not SamplingParams fields: a JSON schema column (io/structured.py)
+ROW_FIELDS = FIELD_NAMES | {JSON_SCHEMA}
 _ALIASES = frozenset({"max_completion_tokens", "top_logprobs"})  # see SamplingParams.from_mapping
 _HINTS = get_type_hints(SamplingParams)
 INT_FIELDS = frozenset({n for n, t in _HINTS.items() if t in (int, int | None)} | _ALIASES)
@@ -46,8 +48,20 @@ class FieldError(RequestError):
 def openai_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """The sampling fields of a request body, for ``make_params``."""
     out: dict[str, Any] = {}
+    if body.get("response_format") is not None and body.get("structured_outputs") is not None:
+        raise FieldError(RowError("invalid_value", "body.response_format and body.structured_outputs: "
+                                  "give one of them, not both", "body.response_format"))
     for name, value in body.items():
         if name in _PROMPT_FIELDS or name in _OPENAI_IGNORED or value is None:
+            continue
+        if name in ("response_format", "structured_outputs"):
+            try:
+                so = (from_response_format(value, "body." + name) if name == "response_format"
+                      else from_body(value, "body." + name))
+            except StructuredFieldError as exc:
+                raise FieldError(exc.error) from None
+            if so is not None:
+                out["structured_outputs"] = so
             continue
         if name in _OPENAI_NEUTRAL:
             if value not in _OPENAI_NEUTRAL[name]:
@@ -70,8 +84,17 @@ def make_params(defaults: Mapping[str, Any], fields: Mapping[str, Any],
                 vocab_size: int | None, prefix: str = "") -> SamplingParams:
     """``fields`` (a row's own) override ``defaults`` (the job's); both use vLLM's names or
     the OpenAI aliases. Raises ``FieldError`` naming the field and the value."""
+    defaults = dict(defaults)
+    if "structured_outputs" in fields:  # the row's own constraint replaces the job's
+        defaults.pop("structured_outputs", None)
+    if "structured_outputs" in fields or JSON_SCHEMA in fields:
+        defaults.pop(JSON_SCHEMA, None)
     try:
-        params = SamplingParams.from_mapping(integral_floats_to_int({**defaults, **fields}))
+        merged = resolve({**defaults, **fields}, prefix)
+    except StructuredFieldError as exc:
+        raise FieldError(exc.error) from None
+    try:
+        params = SamplingParams.from_mapping(integral_floats_to_int(merged))
     except TypeError as exc:  # an unknown field name
         raise FieldError(RowError("unknown_field", str(exc))) from None
     problem = params.validate(vocab_size)

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
-from batchgen.io.params import FIELD_NAMES
+from batchgen.io.params import FIELD_NAMES, ROW_FIELDS
 from batchgen.io.request import Request, RowKey
 from batchgen.io.rows import RowContext, is_messages, set_params, set_prompt
 
@@ -96,7 +96,7 @@ def check_columns(path: Path, names: list[str], prompt_column: str, id_column: s
     if id_column is not None:
         wanted[id_column] = "--id-column"
     for field, column in param_columns.items():
-        if field not in FIELD_NAMES and field not in _PARAM_ALIASES:
+        if field not in ROW_FIELDS and field not in _PARAM_ALIASES:
             raise BatchgenError(f"--param-column {field}={column}: {field!r} is not a "
                                 "sampling parameter")
         wanted[column] = "--param-column"

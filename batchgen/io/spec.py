@@ -18,6 +18,7 @@ from batchgen.io.openai_batch import OpenAIBatchReader
 from batchgen.io.parquet import ParquetReader, check_columns, read_schema
 from batchgen.io.parquet_sink import ParquetSink, parts_dir
 from batchgen.io.rows import RowContext
+from batchgen.io.structured import StructuredFieldError, resolve
 from batchgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -68,7 +69,10 @@ class JobSpec:
                                 "finish it or --overwrite to start over")
         if self.resume and self._output_exists():
             check_resume(self.input, self.output)
-        problem = SamplingParams.from_mapping(self.defaults).validate()
+        try:
+            problem = SamplingParams.from_mapping(resolve(self.defaults)).validate()
+        except StructuredFieldError as exc:
+            problem = exc.error.message
         if problem:
             raise BatchgenError(f"bad default sampling flag: {problem}")
         if self.format == "parquet":
