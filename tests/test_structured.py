@@ -71,8 +71,9 @@ def test_every_finished_json_output_validates_in_a_mixed_batch(engine: Engine, p
     rows: list[tuple[list[int], SamplingParams, dict | None]] = []
     for k, (name, schema) in enumerate(SCHEMAS.items()):
         for i in range(4):
-            rows.append((prompt_ids[(k + i) % len(prompt_ids)], _json(schema, seed=10 * k + i), schema))
-            rows.append((prompt_ids[i], SamplingParams(max_tokens=8, temperature=1.0, seed=k + i), None))  # free rows
+            rows.append((prompt_ids[(k + i) % 6], _json(schema, seed=10 * k + i), schema))
+            if i % 2:
+                rows.append((prompt_ids[i], SamplingParams(max_tokens=8, temperature=1.0, seed=k + i), None))  # free
     outs = engine.generate([p for p, _, _ in rows], [s for _, s, _ in rows])
     finished = 0
     for (_, _, schema), out in zip(rows, outs):
@@ -92,8 +93,8 @@ def test_every_finished_json_output_validates_in_a_mixed_batch(engine: Engine, p
 
 
 def test_json_object_and_whitespace_option(engine: Engine, prompt_ids) -> None:
-    outs = engine.generate(prompt_ids[:4], [SamplingParams(
-        max_tokens=48, seed=i, structured_outputs=StructuredOutputsParams(json_object=True)) for i in range(4)])
+    outs = engine.generate(prompt_ids[:3], [SamplingParams(
+        max_tokens=24, seed=i, structured_outputs=StructuredOutputsParams(json_object=True)) for i in range(3)])
     for out in outs:
         if out.finish_reason == "stop":
             assert isinstance(json.loads(out.text), dict)
@@ -149,13 +150,14 @@ def test_max_tokens_before_the_grammar_completes_is_length(engine: Engine, promp
 
 
 def test_seeded_rows_are_batch_invariant(engine: Engine, prompt_ids) -> None:
-    params = [_json(SCHEMAS["array_enum"], seed=5), _json(SCHEMAS["flat"], seed=6, temperature=0.7),
+    params = [_json(SCHEMAS["array_enum"], seed=5, max_tokens=32), _json(SCHEMAS["flat"], seed=6, temperature=0.7,
+                                                                       max_tokens=32),
               SamplingParams(max_tokens=20, temperature=0.0,
                              structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,6}[0-9]{1,3}"))]
     alone = [engine.generate([prompt_ids[i]], [p])[0].token_ids for i, p in enumerate(params)]
-    company = [SamplingParams(max_tokens=10, seed=99 + i) for i in range(5)] + \
-              [_json(SCHEMAS["nested"], seed=70 + i) for i in range(3)]
-    mixed_prompts = [prompt_ids[7]] * 5 + [prompt_ids[4]] * 3 + prompt_ids[:3]
+    company = [SamplingParams(max_tokens=10, seed=99 + i) for i in range(3)] + \
+              [_json(SCHEMAS["nested"], seed=70 + i, max_tokens=24) for i in range(2)]
+    mixed_prompts = [prompt_ids[5]] * 3 + [prompt_ids[4]] * 2 + prompt_ids[:3]
     mixed = engine.generate(mixed_prompts, company + params)
     assert [o.token_ids for o in mixed[-3:]] == alone
     reversed_outs = engine.generate(list(reversed(mixed_prompts)), list(reversed(company + params)))
@@ -163,7 +165,7 @@ def test_seeded_rows_are_batch_invariant(engine: Engine, prompt_ids) -> None:
 
 
 def test_grammar_state_survives_suspend_resume_to_another_engine(model_dir, engine: Engine, prompt_ids) -> None:
-    params = [_json(SCHEMAS["nested"], seed=21), SamplingParams(
+    params = [_json(SCHEMAS["nested"], seed=21, max_tokens=32), SamplingParams(
         max_tokens=24, seed=3, structured_outputs=StructuredOutputsParams(regex=r"(cat|dog)s? [a-z]{1,4}"))]
     expected = [o.token_ids for o in engine.generate(prompt_ids[1:3], params)]
     other = Engine(model_dir, block_size=8)
@@ -180,7 +182,7 @@ def test_grammar_state_survives_suspend_resume_to_another_engine(model_dir, engi
 
 
 def test_grammar_state_survives_preemption(model_dir, prompt_ids) -> None:
-    params = [_json(SCHEMAS["optional_bounds"], seed=30 + i) for i in range(len(prompt_ids))]
+    params = [_json(SCHEMAS["optional_bounds"], seed=30 + i, max_tokens=24) for i in range(len(prompt_ids))]
     roomy = Engine(model_dir, block_size=8).generate(prompt_ids, params)
     tight = Engine(model_dir, block_size=8, num_kv_blocks=40)
     outs = tight.generate(prompt_ids, params)
@@ -209,7 +211,7 @@ def test_a_bad_schema_or_regex_fails_only_its_row(engine: Engine, prompt_ids) ->
 def test_each_distinct_spec_compiles_once_per_engine(model_dir, prompt_ids) -> None:
     fresh = Engine(model_dir, block_size=8)
     schema = SCHEMAS["flat"]
-    fresh.generate(prompt_ids * 2, [_json(dict(schema), seed=i, max_tokens=6) for i in range(16)])
+    fresh.generate(prompt_ids[:5] * 2, [_json(dict(schema), seed=i, max_tokens=4) for i in range(10)])
     assert fresh.grammars.compiler.num_compiled == 1
     fresh.generate(prompt_ids[:2], [_json(schema, seed=1, max_tokens=4, disable_any_whitespace=False),
                                      _json(schema, seed=2, max_tokens=4)])
