@@ -258,3 +258,14 @@ def test_bitmask_matches_the_reference(V: int) -> None:
     apply_token_bitmask_reference(b, mask)
     assert torch.equal(a, b)
     assert torch.equal(a[[0, 2, 3]], logits[[0, 2, 3]])  # rows without a grammar untouched
+
+
+def test_padded_vocabulary_masks_the_ids_past_the_tokenizer(checkpoint_factory, prompt_ids) -> None:
+    qwen2 = Engine(checkpoint_factory("qwen2"), block_size=8)  # 16 logits past the tokenizer's ids
+    assert qwen2.vocab_size > qwen2.tokenizer.vocab_size
+    outs = qwen2.generate(prompt_ids[:3], [_json(SCHEMAS["array_enum"], seed=i, max_tokens=40) for i in range(3)])
+    assert all(t < qwen2.tokenizer.vocab_size for o in outs for t in o.token_ids)
+    for out in outs:
+        assert out.error is None
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), SCHEMAS["array_enum"])

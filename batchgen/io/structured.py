@@ -63,7 +63,12 @@ def from_response_format(value: Any, param: str) -> StructuredOutputsParams | No
 
 
 def from_body(value: Any, param: str) -> StructuredOutputsParams:
-    """vLLM's structured_outputs body field."""
+    """vLLM's structured_outputs body field (or a Parquet cell of it: an object or JSON text)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise _fail(param, f"not valid JSON ({exc})", value) from None
     return checked(_spec(lambda: StructuredOutputsParams.from_mapping(value), param), param)
 
 
