@@ -78,7 +78,7 @@ def run_file_job(spec: JobSpec, engine: Engine | ModelInfo, *, chunk_size: int =
         if not hasattr(engine, "run_requests"):
             raise TypeError("run_file_job needs an Engine, or a backend to run on")
         backend = EngineBackend(engine)  # type: ignore[arg-type]
-    status = getattr(engine, "expert_status", None) if isinstance(backend, EngineBackend) else None
+    status = getattr(engine, "progress_status", None) if isinstance(backend, EngineBackend) else None
     with Progress(reader.count(), initial=len(sink.done), mode=progress, status=status) as bar:
         return run_job(reader.requests(sink.done), sink, backend,
                        chunk_size=chunk_size, progress=bar)
