@@ -165,6 +165,8 @@ class Scheduler:
                     deferred.append(self.waiting.popleft())
                     cache.stats.deferred += 1
                     continue
+            if deferred:  # rows behind them would start other prefixes beside this one: next step
+                break
             computed = restored or len(hits) * self.allocator.block_size
             n = min(seq.num_tokens - computed, budget)
             need = self.allocator.extra_blocks(len(hits), computed + n)
