@@ -67,7 +67,7 @@ class JobSummary:
         return text
 
 
-def run_file_job(spec: JobSpec, engine: Engine | ModelInfo, *, chunk_size: int = 256,
+def run_file_job(spec: JobSpec, engine: Engine | ModelInfo, *, chunk_size: int = 1024,
                  progress: Mode = "auto", backend: Backend | None = None) -> JobSummary:
     """Run ``spec``'s input file on ``engine`` (or ``backend``, which then does the work while
     ``engine`` -- an Engine or just a ModelInfo -- provides the tokenizer and limits).
@@ -85,7 +85,7 @@ def run_file_job(spec: JobSpec, engine: Engine | ModelInfo, *, chunk_size: int =
 
 
 def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
-            chunk_size: int = 256, flush_seconds: float = 2.0,
+            chunk_size: int = 1024, flush_seconds: float = 2.0,
             progress: Progress | None = None) -> JobSummary:
     """Run every request, write every result or error to ``sink``, then commit it.
 
