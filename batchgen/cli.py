@@ -90,8 +90,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="float32", help="compute dtype (default: float32)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    g.add_argument("--chunk-size", type=_positive, default=256, metavar="N",
-                   help="rows in the engine at once, topped up as rows finish; bounds memory (default: 256)")
+    g.add_argument("--chunk-size", type=_positive, default=1024, metavar="N",
+                   help="rows in the engine at once, topped up as rows finish; bounds memory. Rows beyond the "
+                        "running batch wait, grouped by shared prefix for the prefix cache (default: 1024)")
     cluster = g.add_mutually_exclusive_group()
     cluster.add_argument("--scheduler", metavar="ADDR",
                          help="run on the Dask cluster at ADDR (tcp://host:8786); the batchgen plugin is "

@@ -74,6 +74,12 @@ class EngineConfig:
     # memory-constrained GPUs): the decode batch is bounded by host memory, not device memory,
     # and the device keeps the expert GEMMs. On a CPU device that is the ordinary path.
     kv_cache_on_host: bool = False
+    # Automatic prefix caching (runtime/prefix_cache.py): full KV blocks are found again by a
+    # hash of their tokens and all before them, so rows sharing an instruction compute it once.
+    enable_prefix_caching: bool = True
+    # With prefix caching: "prefix" admits waiting rows grouped by shared prefix (epochs sorted by
+    # block hashes, runtime/prefix_order.py); "fifo" admits them in arrival order.
+    admission_order: str = "prefix"
     # Where MALLOC_TRIM_THRESHOLD_ is set (Dask workers), raise glibc's mmap/trim thresholds for
     # this process so activations reuse heap blocks instead of faulting in fresh pages (malloc.py).
     restore_heap_reuse: bool = True
@@ -89,6 +95,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"EngineConfig.enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.admission_order not in ("prefix", "fifo"):
+            raise ValueError(f"EngineConfig.admission_order must be 'prefix' or 'fifo', got {self.admission_order!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "attention_kv_tokens", "expert_memory_bytes",

@@ -27,6 +27,7 @@ from .outputs import RequestOutput
 from .runtime.executor import Executor
 from .runtime.kv_cache import BlockAllocator
 from .runtime.policy import Plan, ScheduledSeq, Scheduler, SchedulerConfig, prefer_transfer
+from .runtime.prefix_cache import PrefixCache
 from .runtime.requests import check_length, check_params, prompt_to_ids
 from .runtime.sequence import SeqId, SeqStatus, Sequence
 from .runtime.stats import RuntimeStats
@@ -57,8 +58,13 @@ class Engine:
         bs = self.config.block_size
         num_blocks = self.config.num_kv_blocks or max(1, self._kv_budget() // (bs * self.model.kv_bytes_per_token()))
         self.allocator = BlockAllocator(num_blocks, bs)
+        # Exact for every supported model: KV depends on the token prefix alone, and sliding-window
+        # layers keep every position's KV (masked, never freed), so a cached block is what the row
+        # would compute itself. A pool that dropped out-of-window blocks would have to turn it off.
+        self.prefix_cache = PrefixCache(self.allocator) if self.config.enable_prefix_caching else None
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                                   self.config.eviction), self.allocator)  # type: ignore[arg-type]
+                                                   self.config.eviction, self.config.admission_order),  # type: ignore[arg-type]
+                                   self.allocator, self.prefix_cache)
         self.stats = RuntimeStats()
         kv_device = self.model.attention_on_host() if self.config.kv_cache_on_host else None
         self.executor = Executor(self.model, num_blocks, bs, self.stats, self.config.attention_kv_tokens, kv_device)
@@ -118,8 +124,10 @@ class Engine:
         if not plan:
             return self._unblock()
         for item in plan.scheduled:
-            if item.seq.num_computed == 0 and item.seq.num_preemptions == 0 and not item.seq.output_ids:
-                self.stats.prompt_tokens += len(item.seq.prompt_ids)
+            seq, cached = item.seq, item.seq.num_cached_tokens or 0
+            if seq.num_computed == cached and seq.num_preemptions == 0 and not seq.output_ids:
+                self.stats.prompt_tokens += len(seq.prompt_ids)
+                self.stats.cached_prompt_tokens += cached
         samplers, logits, failed = self._execute(plan.scheduled)
         finished: list[Sequence] = []
         for seq, why in failed:
@@ -237,7 +245,8 @@ class Engine:
             text = self.tokenizer.decode(seq.output_ids)
         return RequestOutput(index=seq.request_index, prompt_token_ids=seq.prompt_ids,
                              token_ids=list(seq.output_ids), text=text, finish_reason=seq.finish_reason or "error",
-                             error=seq.error, logprobs=seq.logprobs, num_preemptions=seq.num_preemptions)
+                             error=seq.error, logprobs=seq.logprobs, num_preemptions=seq.num_preemptions,
+                             num_cached_tokens=seq.num_cached_tokens or 0)
 
     # -- batch API --------------------------------------------------------------------------------
     def stream(self, prompts: Seq[Prompt], sampling: SamplingParams | Seq[SamplingParams] | None = None
@@ -368,7 +377,7 @@ class Engine:
         return seq_id
 
     def recompute_tokens_per_s(self) -> float:
-        done = self.stats.prompt_tokens + self.stats.generated_tokens
+        done = self.stats.prompt_tokens - self.stats.cached_prompt_tokens + self.stats.generated_tokens
         return done / self._busy_s if self._busy_s > 0 else 0.0
 
     def load(self) -> dict[str, Any]:
@@ -388,7 +397,14 @@ class Engine:
             summary.update(self.model.experts.summary(self.stats.generated_tokens))
             busy = self._busy_s
             summary["expert_fetch_wait_fraction"] = summary["expert_fetch_wait_s"] / busy if busy > 0 else 0.0
+        if self.prefix_cache is not None:
+            summary.update(self.prefix_cache.summary())
         return summary
+
+    def progress_status(self) -> str:
+        """The progress line's engine figures: prefix-cache hit rate, expert tiers."""
+        parts = [self.prefix_cache.status() if self.prefix_cache is not None else "", self.expert_status()]
+        return ", ".join(p for p in parts if p)
 
     def expert_status(self) -> str:
         """The progress line's expert figures: hit rate per tier ('' with every expert resident)."""

@@ -14,6 +14,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's name)
 
     @property
     def num_prompt_tokens(self) -> int:

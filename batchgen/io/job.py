@@ -67,7 +67,7 @@ class JobSummary:
         return text
 
 
-def run_file_job(spec: JobSpec, engine: Engine | ModelInfo, *, chunk_size: int = 256,
+def run_file_job(spec: JobSpec, engine: Engine | ModelInfo, *, chunk_size: int = 1024,
                  progress: Mode = "auto", backend: Backend | None = None) -> JobSummary:
     """Run ``spec``'s input file on ``engine`` (or ``backend``, which then does the work while
     ``engine`` -- an Engine or just a ModelInfo -- provides the tokenizer and limits).
@@ -78,14 +78,14 @@ def run_file_job(spec: JobSpec, engine: Engine | ModelInfo, *, chunk_size: int =
         if not hasattr(engine, "run_requests"):
             raise TypeError("run_file_job needs an Engine, or a backend to run on")
         backend = EngineBackend(engine)  # type: ignore[arg-type]
-    status = getattr(engine, "expert_status", None) if isinstance(backend, EngineBackend) else None
+    status = getattr(engine, "progress_status", None) if isinstance(backend, EngineBackend) else None
     with Progress(reader.count(), initial=len(sink.done), mode=progress, status=status) as bar:
         return run_job(reader.requests(sink.done), sink, backend,
                        chunk_size=chunk_size, progress=bar)
 
 
 def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
-            chunk_size: int = 256, flush_seconds: float = 2.0,
+            chunk_size: int = 1024, flush_seconds: float = 2.0,
             progress: Progress | None = None) -> JobSummary:
     """Run every request, write every result or error to ``sink``, then commit it.
 

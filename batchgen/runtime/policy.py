@@ -10,9 +10,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .kv_cache import BlockAllocator
+from .prefix_cache import PrefixCache
+from .prefix_order import PrefixOrderedQueue
 from .sequence import SeqStatus, Sequence
 
 Eviction = Literal["newest", "fewest_computed", "most_remaining"]
+Admission = Literal["prefix", "fifo"]
+# Admissions one step may put off while their prefix is being computed; past it, admission waits.
+MAX_DEFERRED = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,12 +27,17 @@ class SchedulerConfig:
     # newest: vLLM's choice (last admitted, least progress lost); fewest_computed: cheapest to
     # recompute; most_remaining: the one that would hold its blocks longest
     eviction: Eviction = "newest"
+    # with a prefix cache: "prefix" admits waiting rows grouped by shared prefix (prefix_order.py),
+    # "fifo" in arrival order; without one, always arrival order
+    admission: Admission = "prefix"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.eviction not in ("newest", "fewest_computed", "most_remaining"):
             raise ValueError(f"unknown eviction policy {self.eviction!r}")
+        if self.admission not in ("prefix", "fifo"):
+            raise ValueError(f"unknown admission order {self.admission!r}")
 
 
 @dataclass(slots=True)
@@ -76,9 +86,13 @@ def pick_victim(candidates: list[Sequence], eviction: Eviction) -> Sequence:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
-        self.config, self.allocator = config, allocator
-        self.waiting: deque[Sequence] = deque()
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator,
+                 prefix_cache: PrefixCache | None = None) -> None:
+        """prefix_cache: reuse cached full blocks at admission (None: every row computes all)."""
+        self.config, self.allocator, self.cache = config, allocator, prefix_cache
+        self.waiting: deque[Sequence] | PrefixOrderedQueue = deque()
+        if prefix_cache is not None and config.admission == "prefix":
+            self.waiting = PrefixOrderedQueue(prefix_cache.sort_key)
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
@@ -89,15 +103,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def release(self, seq: Sequence) -> None:
-        """A finished (or removed) sequence gives its blocks back at once."""
+        """A finished (or removed) sequence gives its blocks back at once (cached ones stay
+        findable until the pool needs them)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.cache is not None:
+            self.cache.register(seq)
         self.allocator.free(seq.drop_kv())
 
     def evict(self, seq: Sequence, reason: str) -> Evicted:
         self.running.remove(seq)
+        if self.cache is not None:  # its recompute may find its own blocks still cached
+            self.cache.register(seq)
         computed = seq.num_computed
         blocks = seq.drop_kv()
         self.allocator.free(blocks)
@@ -108,6 +127,10 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         plan, budget = Plan(), self.config.max_num_batched_tokens
+        cache = self.cache
+        if cache is not None:  # the last forward filled these blocks: shareable from now on
+            for seq in self.running:
+                cache.register(seq)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -128,23 +151,53 @@ class Scheduler:
             i += 1
         if plan.evicted:
             return plan  # admitting now would only thrash the pool
+        pending = self._pending(plan) if cache is not None and self.waiting else set()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             restored = seq.num_swapped  # tokens whose KV comes back from host memory
-            n = min(seq.num_tokens - restored, budget)
-            need = self.allocator.extra_blocks(len(seq.block_ids), restored + n)
-            if not self.allocator.can_allocate(need):
+            hits: list[int] = []
+            if cache is not None and not restored:
+                hits = cache.match(seq)
+                if pending and cache.waits_for(seq, len(hits), pending):
+                    if len(deferred) == MAX_DEFERRED:
+                        break
+                    deferred.append(self.waiting.popleft())
+                    cache.stats.deferred += 1
+                    continue
+            if deferred:  # rows behind them would start other prefixes beside this one: next step
+                break
+            computed = restored or len(hits) * self.allocator.block_size
+            n = min(seq.num_tokens - computed, budget)
+            need = self.allocator.extra_blocks(len(hits), computed + n)
+            if not self.allocator.can_allocate(need + self.allocator.num_idle(hits)):
                 break
             self.waiting.popleft()
+            if cache is not None and not restored:
+                self.allocator.share(hits)
+                seq.block_ids, seq.num_computed, seq.num_registered_blocks = hits, computed, len(hits)
+                cache.admitted(seq, computed)
             seq.block_ids += self.allocator.allocate(need)
             if restored:
                 seq.num_computed, seq.num_swapped = restored, 0
                 plan.swapped_in.append(seq)
+            if cache is not None and self.waiting:
+                pending.update(cache.completing(seq, n))
             seq.transition(SeqStatus.RUNNING, "admit:swap-in" if restored else "admit")
             self.running.append(seq)
             plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        for seq in reversed(deferred):  # first in line next step, in their order
+            self.waiting.appendleft(seq)
         return plan
+
+    def _pending(self, plan: Plan) -> set[bytes]:
+        """Hashes of the blocks this plan's forward fills (not shareable before it ends)."""
+        assert self.cache is not None
+        out: set[bytes] = set()
+        for item in plan.scheduled:
+            out.update(self.cache.completing(item.seq, item.num_new))
+        return out
 
 
 def split_micro_batches(scheduled: list[ScheduledSeq], kv_token_budget: int | None) -> list[list[ScheduledSeq]]:

@@ -46,6 +46,12 @@ class Sequence:
     text_is_final: bool = False  # text was cut at a stop string; do not re-decode
     decode_offsets: tuple[int, int] = (0, 0)  # incremental detokenization: (prefix, read)
     num_preemptions: int = 0
+    # prefix caching: prompt tokens found cached at the first admission (None: not admitted yet)
+    num_cached_tokens: int | None = None
+    # engine-local (suspend.py leaves them behind): chain hashes of the full blocks computed so
+    # far (they depend on the tokens alone), and how many leading blocks are registered
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
     # (transition, reason) of recent state changes: migration and eviction stay debuggable
     history: list[tuple[str, str]] = field(default_factory=list)
 
@@ -82,6 +88,7 @@ class Sequence:
     def drop_kv(self) -> list[int]:
         """Forget the cache (recompute later, unless swapped out); returns the blocks to free."""
         blocks, self.block_ids, self.num_computed = self.block_ids, [], 0
+        self.num_registered_blocks = 0
         return blocks
 
 

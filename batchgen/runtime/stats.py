@@ -17,6 +17,7 @@ def _window() -> deque[int]:
 class RuntimeStats:
     forwards: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, found in the prefix cache (not computed)
     generated_tokens: int = 0
     preemptions: int = 0
     # recent samples (bounded): tokens per attention micro-batch, per MoE stage call, and per

@@ -18,7 +18,7 @@ from .sequence import SeqId, SeqStatus, Sequence
 
 _VERSION = 1
 # Fields that belong to the engine holding the sequence, not to the coroutine.
-_LOCAL = {"seq_id", "block_ids", "num_computed", "num_swapped", "status"}
+_LOCAL = {"seq_id", "block_ids", "num_computed", "num_swapped", "status", "block_hashes", "num_registered_blocks"}
 
 
 class CoroutineCodec:
