@@ -83,3 +83,11 @@ def test_mla_absorbed_decode_equals_expanding_the_latent(checkpoint_factory, pro
         assert a.token_ids == b.token_ids
         for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
             assert la[t] == pytest.approx(lb[t], abs=1e-4)
+
+
+def test_reading_whole_blocks_gives_the_rows_of_every_slot() -> None:
+    cache = torch.randn(7 * BLOCK, 5)
+    table = torch.tensor([[3, 0, 6], [1, 1, 2]])  # a block shared by two tables, as prefix caching does
+    rows = attention.read_blocks(cache, table, BLOCK)
+    slots = (table.unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).flatten(1)  # [2, 3 * BLOCK]
+    assert torch.equal(rows, cache[slots])
