@@ -62,9 +62,9 @@ def test_groups_bound_the_padding() -> None:
     lengths = list(range(10, 400, 3))
     items, _, _ = setup(lengths)
     batch = AttentionBatch.build(items, BLOCK, torch.device("cpu"))
-    padded = sum(g.gather.shape[0] * g.gather.shape[1] for g in batch.decode_groups)
+    padded = sum(g.block_table.numel() * BLOCK for g in batch.decode_groups)
     assert padded < 1.3 * sum(lengths)  # one padded batch would be ~2x
-    assert all(g.gather.shape[0] >= attention.MIN_DECODE_GROUP for g in batch.decode_groups[:-1])
+    assert all(g.rows.shape[0] >= attention.MIN_DECODE_GROUP for g in batch.decode_groups[:-1])
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
@@ -83,3 +83,11 @@ def test_mla_absorbed_decode_equals_expanding_the_latent(checkpoint_factory, pro
         assert a.token_ids == b.token_ids
         for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
             assert la[t] == pytest.approx(lb[t], abs=1e-4)
+
+
+def test_reading_whole_blocks_gives_the_rows_of_every_slot() -> None:
+    cache = torch.randn(7 * BLOCK, 5)
+    table = torch.tensor([[3, 0, 6], [1, 1, 2]])  # a block shared by two tables, as prefix caching does
+    rows = attention.read_blocks(cache, table, BLOCK)
+    slots = (table.unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).flatten(1)  # [2, 3 * BLOCK]
+    assert torch.equal(rows, cache[slots])

@@ -10,7 +10,7 @@ each other.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -29,17 +29,30 @@ KVExpander = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 class PrefillChunk:
     start: int  # first row of this chunk in the flat batch
     num_tokens: int
-    gather_slots: torch.Tensor  # [L] cache slots of the whole context, position order
+    block_table: torch.Tensor  # [blocks] the sequence's cache blocks covering its context
+    context: int  # L: tokens of context, this chunk's included
     positions: torch.Tensor  # [Q]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by window: [1, Q, L]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            self.masks[window] = _allowed(self.positions.unsqueeze(0), self.context, window)
+        return self.masks[window]
 
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Decoding sequences of similar context length, attended as one padded batch."""
+    """Decoding sequences of similar context length, attended as one batch padded to whole blocks."""
 
     rows: torch.Tensor  # [Sg] rows of their single new tokens in the flat batch
-    gather: torch.Tensor  # [Sg, L] cache slots of their contexts (padding -> slot 0)
+    block_table: torch.Tensor  # [Sg, blocks] cache blocks of their contexts (padding -> block 0)
     positions: torch.Tensor  # [Sg]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by window: [Sg, 1, L]
+
+    def mask(self, window: int | None, num_keys: int) -> torch.Tensor:
+        if window not in self.masks:
+            self.masks[window] = _allowed(self.positions.unsqueeze(-1), num_keys, window)
+        return self.masks[window]
 
 
 @dataclass(slots=True)
@@ -50,6 +63,15 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [T] cache slot that receives each new token's KV
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    block_size: int
+    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by id(rotary)
+
+    def rope_tables(self, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of this batch's positions, looked up once per forward, not per layer."""
+        key = id(rotary)
+        if key not in self.rope:
+            self.rope[key] = rotary.tables(self.positions)
+        return self.rope[key]
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +84,11 @@ class AttentionBatch:
         positions: list[int] = []
         slots: list[int] = []
         decodes: list[tuple[int, int, Sequence[int]]] = []  # (row, context length, block ids)
-        prefills: list[tuple[int, int, list[int], list[int]]] = []
+        prefills: list[PrefillChunk] = []
+
+        def t(x: object) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
         for computed, new, blocks in items:
             start, end = len(positions), computed + new
             positions.extend(range(computed, end))
@@ -70,15 +96,12 @@ class AttentionBatch:
             if new == 1:
                 decodes.append((start, end, blocks))
             else:
-                ctx = [blocks[p // block_size] * block_size + p % block_size for p in range(end)]
-                prefills.append((start, new, ctx, list(range(computed, end))))
-
-        def t(x: object) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long, device=device)
+                table = t(list(blocks[:-(-end // block_size)]))
+                prefills.append(PrefillChunk(start, new, table, end, t(list(range(computed, end)))))
 
         groups = [_decode_group(g, block_size, device) for g in _by_length(decodes)]
         return AttentionBatch(positions=t(positions), slot_mapping=t(slots), decode_groups=groups,
-                              prefills=[PrefillChunk(s, n, t(c), t(p)) for s, n, c, p in prefills])
+                              prefills=prefills, block_size=block_size)
 
 
 # A decode group closes when the next context is this much longer than its shortest one, once it
@@ -99,16 +122,21 @@ def _by_length(decodes: list[tuple[int, int, Sequence[int]]]) -> list[list[tuple
 
 
 def _decode_group(group: list[tuple[int, int, Sequence[int]]], block_size: int, device: torch.device) -> DecodeGroup:
-    longest = group[-1][1]  # sorted by context length
-    num_blocks = -(-longest // block_size)
-    table = torch.tensor([list(blocks[:num_blocks]) + [0] * (num_blocks - min(len(blocks), num_blocks))
-                          for _, _, blocks in group], dtype=torch.long)  # [Sg, blocks]
-    offsets = torch.arange(longest)
-    gather = table[:, offsets // block_size] * block_size + offsets % block_size  # [Sg, L]
-    lengths = torch.tensor([n for _, n, _ in group])
-    gather = gather.masked_fill(offsets >= lengths.unsqueeze(1), 0)
-    return DecodeGroup(rows=torch.tensor([r for r, _, _ in group], device=device), gather=gather.to(device),
-                       positions=(lengths - 1).to(device))
+    num_blocks = -(-group[-1][1] // block_size)  # sorted by context length
+    table = [list(blocks[:num_blocks]) + [0] * (num_blocks - min(len(blocks), num_blocks)) for _, _, blocks in group]
+    return DecodeGroup(rows=torch.tensor([r for r, _, _ in group], device=device),
+                       block_table=torch.tensor(table, dtype=torch.long, device=device),
+                       positions=torch.tensor([n - 1 for _, n, _ in group], device=device))
+
+
+def read_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache: [slots, W]; block_table: [..., blocks] -> cache rows [..., blocks * block_size, W].
+
+    Copies whole blocks (contiguous runs of block_size * W values), not one slot at a time: the
+    same rows as indexing by slot, at a third of the cost on CPU."""
+    w = cache.shape[-1]
+    rows = cache.view(-1, block_size * w).index_select(0, block_table.reshape(-1))
+    return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, w)
 
 
 def _allowed(q_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
@@ -135,7 +163,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     return out.reshape(S, hk, g, Q, -1).permute(0, 3, 1, 2, 4).reshape(S, Q, hq, -1)
 
 
-# (q [Sg, Hq, Dk], gathered cache rows [Sg, L, W], allowed [Sg, 1, L]) -> [Sg, Hq, v_dim]
+# (q [Sg, Hq, Dk], cache rows of their blocks [Sg, L, W], allowed [Sg, 1, L]) -> [Sg, Hq, v_dim]
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -147,9 +175,10 @@ def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor,
     decode: attends the decoding groups straight from the cached rows instead of expanding them
     to K and V (MLA's absorbed form); prefill chunks always expand."""
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+    bs = batch.block_size
     for group in batch.decode_groups:
-        rows = cache[group.gather]  # [Sg, L, W]
-        allowed = _allowed(group.positions.unsqueeze(-1), rows.shape[1], window)
+        rows = read_blocks(cache, group.block_table, bs)  # [Sg, L, W], L a whole number of blocks
+        allowed = group.mask(window, rows.shape[1])
         if decode is not None:
             out[group.rows] = decode(q[group.rows], rows, allowed)
             continue
@@ -157,9 +186,8 @@ def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor,
         out[group.rows] = _attend(q[group.rows].unsqueeze(1), k, v, allowed, scale).squeeze(1)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        k, v = expand(cache[chunk.gather_slots].unsqueeze(0))
-        allowed = _allowed(chunk.positions.unsqueeze(0), k.shape[1], window)
-        out[rows] = _attend(q[rows].unsqueeze(0), k, v, allowed, scale).squeeze(0)
+        k, v = expand(read_blocks(cache, chunk.block_table, bs)[:chunk.context].unsqueeze(0))
+        out[rows] = _attend(q[rows].unsqueeze(0), k, v, chunk.mask(window), scale).squeeze(0)
     return out
 
 
@@ -168,16 +196,23 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
     """x: [T, H] (already normed) -> attention output [T, H]; writes this batch's K/V into cache [slots, W]."""
     T = x.shape[0]
     hq, hk, d = a.num_heads, a.num_kv_heads, a.head_dim
-    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([hq * d, hk * d, hk * d], dim=-1)
-    if a.qk_norm == "full":
-        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-    if a.clip_qkv is not None:
-        q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
-    q, k, v = q.reshape(T, hq, d), k.reshape(T, hk, d), v.reshape(T, hk, d)
-    if a.qk_norm == "head":
-        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-    q, k = rotary.apply(q, batch.positions), rotary.apply(k, batch.positions)
-    cache[batch.slot_mapping] = torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1).to(cache.dtype)
+    qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2 Hk) D]
+    tables = batch.rope_tables(rotary)
+    if a.qk_norm == "none" and a.clip_qkv is None:
+        # q and k are adjacent heads of the projection: rotate them in one call
+        qk = rotary.apply(qkv[:, :(hq + hk) * d].view(T, hq + hk, d), batch.positions, tables)
+        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hk) * d:]
+    else:
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        if a.qk_norm == "full":
+            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        q, k = q.reshape(T, hq, d), k.reshape(T, hk, d)
+        if a.qk_norm == "head":
+            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+        q, k = rotary.apply(q, batch.positions, tables), rotary.apply(k, batch.positions, tables)
+    cache.index_copy_(0, batch.slot_mapping, torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1).to(cache.dtype))
 
     def expand(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kk, vv = rows.split(hk * d, dim=-1)

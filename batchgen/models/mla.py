@@ -39,11 +39,12 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbe
     else:
         q = F.linear(rms_norm(F.linear(x, w.q_a, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS), w.q_b)
     q = q.reshape(T, h, nope + rope_dim)
-    q = torch.cat([q[..., :nope], rotary.apply(q[..., nope:], batch.positions)], dim=-1)
+    tables = batch.rope_tables(rotary)
+    q = torch.cat([q[..., :nope], rotary.apply(q[..., nope:], batch.positions, tables)], dim=-1)
     latent, k_pe = F.linear(x, w.kv_a, w.kv_a_bias).split([r, rope_dim], dim=-1)
     latent = rms_norm(latent, w.kv_a_norm, LATENT_NORM_EPS)
-    k_pe = rotary.apply(k_pe.unsqueeze(1), batch.positions).squeeze(1)
-    cache[batch.slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
+    k_pe = rotary.apply(k_pe.unsqueeze(1), batch.positions, tables).squeeze(1)
+    cache.index_copy_(0, batch.slot_mapping, torch.cat([latent, k_pe], dim=-1).to(cache.dtype))
 
     def expand(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kv = F.linear(rows[..., :r], w.kv_b).unflatten(-1, (h, nope + a.v_head_dim))  # [..., L, Hq, nope + v]

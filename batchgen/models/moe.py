@@ -1,7 +1,7 @@
 """MoE stage: router (softmax/sigmoid, grouped top-k, correction bias, scaling) and experts.
 
-The expert computation itself lives in `batchgen_kernels` (Triton on CUDA, the torch reference
-elsewhere); this module only decides which tokens go where and with what weight.
+The expert computation itself lives in `batchgen_kernels` (Triton on CUDA, grouped GEMMs over
+expert-sorted tokens elsewhere, checked against the torch reference); this module only decides which tokens go where and with what weight.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from batchgen_kernels import fused_moe, fused_moe_reference, fused_moe_reference_into, triton_available
+from batchgen_kernels import fused_moe, fused_moe_grouped, fused_moe_grouped_into, triton_available
 
 from .layers import mlp
 from .spec import MoESpec, RouterSpec
@@ -62,7 +62,7 @@ def moe(x: torch.Tensor, w: MoEWeights, spec: MoESpec,
     weights, ids = route(x, w.router, spec.router, w.correction_bias)
     if on_route is not None:
         on_route(ids)
-    experts = fused_moe if x.is_cuda and triton_available() else fused_moe_reference
+    experts = fused_moe if x.is_cuda and triton_available() else fused_moe_grouped
     if fetch is None:
         assert w.w13 is not None and w.w2 is not None
         out = experts(x, w.w13, w.w2, weights.to(x.dtype), ids)
@@ -73,7 +73,7 @@ def moe(x: torch.Tensor, w: MoEWeights, spec: MoESpec,
         T, A = ids.shape
         slot_out = x.new_zeros(T * A, x.shape[1])
         for w13, w2, slot_ids in fetch(ids):
-            fused_moe_reference_into(slot_out, x, w13, w2, weights.to(x.dtype), slot_ids)
+            fused_moe_grouped_into(slot_out, x, w13, w2, weights.to(x.dtype), slot_ids)
         out = slot_out.view(T, A, -1).sum(dim=1)
     if w.shared is not None:
         shared = mlp(x, w.shared)

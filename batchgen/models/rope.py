@@ -69,10 +69,17 @@ class RotaryEmbedding:
         self.dim = rope.dim
         self.interleaved = rope.interleaved
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D] with D >= dim; positions: [T] -> rotated copy (computed in fp32)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, dim/2]
-        sin = self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, sin), each [T, 1, dim/2] fp32; the same for every layer of a
+        forward, so a batch looks them up once (AttentionBatch.rope_tables)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor,
+              tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [T, H, D] with D >= dim; positions: [T] -> rotated copy (computed in fp32).
+
+        tables: `tables(positions)`, when the caller has them already."""
+        cos, sin = tables if tables is not None else self.tables(positions)
         rot, rest = x[..., : self.dim].float(), x[..., self.dim:]
         if self.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
