@@ -61,6 +61,9 @@ class BalancePlugin(SchedulerPlugin):
         self.counters = PluginCounters()
         self.epoch = 0
         self.log: list[tuple[float, Migration]] = []  # recent orders, for debugging
+        # model key -> the only workers that may start its engine (a placement's replicas, set by
+        # batchgen.moa); other models may cold-start anywhere
+        self.pinned: dict[str, frozenset[str]] = {}
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -161,8 +164,9 @@ class BalancePlugin(SchedulerPlugin):
             engines = view.report.get("engines", {})
             for model in models:
                 e = engines.get(model)
-                if e is None:  # this worker could run it after loading the model
-                    loads.append(EngineLoad(worker, model, ready=False))
+                if e is None:  # this worker could run it after loading the model, unless pinned elsewhere
+                    if model not in self.pinned or worker in self.pinned[model]:
+                        loads.append(EngineLoad(worker, model, ready=False))
                     continue
                 loads.append(EngineLoad(
                     worker, model, bool(e["ready"]), int(e["waiting"]), int(e["running"]),
