@@ -10,7 +10,8 @@ from typing import Any
 
 from .placement import POLICIES, Demand, ModelCost, Placement, PlacementError, WorkerSlot, place
 
-_EXPORTS: dict[str, str] = {}
+_EXPORTS: dict[str, str] = {"MoA": "mixture", "MoAStats": "mixture", "ModelPool": "pool", "Item": "pool",
+                            "vote": "agreement", "make_extract": "agreement"}
 
 __all__ = sorted(["POLICIES", "Demand", "ModelCost", "Placement", "PlacementError", "WorkerSlot", "place",
                   *_EXPORTS])
