@@ -152,3 +152,21 @@ def test_worker_killed_mid_job_loses_nothing(client: Client, models: dict[str, P
     out = result["out"]
     assert list(out.index) == list(pdf.index)
     check_answers(out, pdf, job, alone)
+
+
+def test_generate_with_model_column_on_dask(client: Client, models: dict[str, Path], alone: Callable) -> None:
+    import dask.dataframe as dd
+
+    import batchgen
+
+    pdf = pd.DataFrame({"prompt": TEXTS[:6], "model": ["llama", "qwen", "small", "qwen", "ghost", "llama"]})
+    ddf = dd.from_pandas(pdf, npartitions=2)
+    out = ddf.map_partitions(batchgen.generate, model={n: str(models[n]) for n in ("llama", "qwen", "small")},
+                             model_column="model", max_tokens=3, temperature=0.0, ignore_eos=True,
+                             engine_options=OPTIONS).compute()
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i, row in out.iterrows():
+        if row["model"] == "ghost":
+            assert row["finish_reason"] == "error" and "unknown model" in row["error"]
+        else:
+            assert row["generated_text"] == alone(row["model"], [row["prompt"]], params)[0]
