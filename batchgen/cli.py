@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     from batchgen.sim.cli import add_commands as add_sim_commands
 
     add_sim_commands(sub)  # plan, bench: the simulator's commands, self-contained in sim/cli.py
+    from batchgen.moa.cli import add_command as add_moa_command
+
+    add_moa_command(sub)  # moa: batchgen/moa/cli.py
     return parser
 
 
@@ -145,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
-        if args.command in ("plan", "bench"):
+        if args.command in ("plan", "bench", "moa"):
             return args.handler(args)
         return _run(args)
     except BatchgenError as exc:

@@ -206,8 +206,9 @@ class MoA:
                 if not self._decide(i, row, out):
                     if agg_plan is None:
                         agg_plan = self._aggregator_plan(expert_plan, len(records), prompts)
-                        stats.placements.append(agg_plan)
-                        stats.placement += "; aggregator " + agg_plan.describe()
+                        if agg_plan is not expert_plan:
+                            stats.placements.append(agg_plan)
+                            stats.placement += "; aggregator " + agg_plan.describe()
                         agg_first = now
                     refs = [row.answers[n].text for n in row.experts if row.answers[n].error is None]
                     item = Item((i, "agg"), self.aggregator, self._prompt(self.aggregator, prompts[i], refs),
