@@ -76,3 +76,49 @@ max_tokens = 5
     bad.write_text('aggregator = "x"\nk_typo = 3\n[proposers]\na = "/nowhere"\n')
     assert main(["moa", "--config", str(bad), "--input", str(rows), "--output", str(tmp_path / "o.parquet")]) == 2
     json.dumps(out.to_dict("records"), default=str)
+
+
+def test_cli_run_with_several_models(tmp_path: Path, checkpoint_factory) -> None:
+    from batchgen import Engine, SamplingParams
+
+    llama, qwen = checkpoint_factory("llama"), checkpoint_factory("qwen2")
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": m, "prompt": p, "max_tokens": 3, "temperature": 0, "ignore_eos": True}}
+             for i, (m, p) in enumerate([("l", "hello"), ("q", "hello"), ("ghost", "x"), ("l", "def f")])]
+    lines.append({"custom_id": "r9", "method": "POST", "url": "/v1/completions", "body": {"prompt": "no model"}})
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    models = tmp_path / "models.toml"
+    models.write_text(f'[models]\nl = "{llama}"\nq = "{qwen}"\n')
+    out_path = tmp_path / "out.jsonl"
+    assert main(["run", "--models", str(models), "--input", str(src), "--output", str(out_path),
+                 "--progress", "off"]) == 0
+    records = {r["custom_id"]: r for r in map(json.loads, out_path.read_text().splitlines())}
+    assert sorted(records) == ["r0", "r1", "r2", "r3", "r9"]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for cid, model, path in (("r0", "l", llama), ("r1", "q", qwen), ("r3", "l", llama)):
+        body = records[cid]["response"]["body"]
+        prompt = next(x["body"]["prompt"] for x in lines if x["custom_id"] == cid)
+        assert body["model"] == model
+        assert body["choices"][0]["text"] == Engine(path).generate([prompt], params)[0].text
+    for cid, value in (("r2", "'ghost'"), ("r9", None)):
+        err = records[cid]["response"]["body"]["error"]
+        assert records[cid]["response"]["status_code"] == 400 and err["code"] == "model_not_found"
+        assert err["param"] == "body.model" and (value is None or value in err["message"])
+    # --resume after the end: nothing runs again, nothing is duplicated
+    assert main(["run", "--models", f"l={llama}", f"q={qwen}", "--input", str(src), "--output", str(out_path),
+                 "--resume", "--progress", "off"]) == 0
+    assert len(out_path.read_text().splitlines()) == 5
+    assert main(["run", "--models", "l", "--input", str(src), "--output", str(tmp_path / "o2.jsonl")]) == 2
+
+
+def test_simulated_expert_stage_uses_the_placement() -> None:
+    from batchgen.moa.simulate import SimModel, simulate_expert_stage
+
+    models = {"r": SimModel("qwen3-30b-a3b", "summarization", 5.0), "c": SimModel("qwen3-30b-a3b", "classification", 5.0),
+              "s": SimModel("qwen3-30b-a3b", "classification", 5.0)}
+    r = simulate_expert_stage(models, {"r": 120, "c": 20, "s": 20}, workers=3, sample_rows=32)
+    ilp, rr = r["ilp"], r["round_robin"]
+    assert len(ilp.placement.replicas["r"]) >= 2 and len(rr.placement.replicas["r"]) == 1
+    assert ilp.makespan_s < rr.makespan_s
+    assert set(ilp.worker_s) == {"gpu0", "gpu1", "gpu2"}

@@ -34,3 +34,28 @@ def estimate_cost(model_dir: str | Path, *, flops: float = ASSUMED_FLOPS,
 def cost_from_speed(model_dir: str | Path, tokens_per_s: float, load_s: float) -> ModelCost:
     """A measured cost: an engine's sustained generated tokens/s and its load time."""
     return ModelCost(1.0 / tokens_per_s, load_s, weight_bytes(model_dir))
+
+
+def profile_cost(model_dir: str | Path, *, rows: int = 32, max_tokens: int = 16,
+                 engine_options: dict | None = None) -> ModelCost:
+    """Measure a model here: the engine's load time and its generated tokens/s on `rows` rows
+    of `max_tokens` (ignore_eos, greedy) at once. Offline profiling, as MOSAIC does; run it on
+    the hardware the workers have, at the batch size the job will reach."""
+    import time
+
+    from ..engine import Engine
+    from ..sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    engine = Engine(model_dir, **(engine_options or {}))
+    load_s = time.perf_counter() - start
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine.generate([[1, 2, 3]], params)  # warm-up
+        start = time.perf_counter()
+        outs = engine.generate([[1, 2, 3, 4 + i % 7] for i in range(rows)], params)
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.close()
+    tokens = sum(o.num_generated_tokens for o in outs)
+    return ModelCost(elapsed / max(1, tokens), load_s, weight_bytes(model_dir))
