@@ -123,12 +123,14 @@ def test_moa_answers_equal_each_model_alone(client: Client, models: dict[str, Pa
 def test_always_aggregate_and_unknown_route(client: Client, models: dict[str, Path], alone: Callable) -> None:
     pdf = frame(6)
     pdf.loc[101, "experts"] = ["llama", "nobody"]
+    pdf.loc[102, "prompt"] = ""
     job = make_job(models, client, skip_threshold=float("inf"), placement="round_robin")
     out = job.generate(pdf)
     assert "nobody" in out.loc[101, "error"] and pd.isna(out.loc[101, "final_text"])
-    good = out.drop(index=101)
+    assert "prompt=''" in out.loc[102, "error"] and pd.isna(out.loc[102, "final_text"])
+    good = out.drop(index=[101, 102])
     assert good["aggregated"].all() and good["error"].isna().all()
-    assert job.stats.rows_skipped == 0 and job.stats.rows_aggregated == 5
+    assert job.stats.rows_skipped == 0 and job.stats.rows_aggregated == 4
 
 
 def test_worker_killed_mid_job_loses_nothing(client: Client, models: dict[str, Path], alone: Callable) -> None:

@@ -166,14 +166,17 @@ class MoA:
         self.stats = stats = MoAStats(rows=len(frame))
         start = time.perf_counter()
         records = frame.to_dict("records")
-        prompts = [str(r[self.prompt_column]) for r in records]
+        prompts = [r[self.prompt_column] for r in records]
         out = _Columns(len(records), self.proposers)
         rows: dict[int, _Row] = {}
         first: list[Item] = []
         for i, rec in enumerate(records):
+            if not isinstance(prompts[i], str) or not prompts[i]:
+                out.error[i] = f"row {frame.index[i]!r}: {self.prompt_column}={prompts[i]!r}: must be a non-empty string"
+                continue
             try:
                 rows[i] = _Row(self._experts(rec))
-            except (BatchgenError, KeyError, TypeError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a bad route value or a failing route function: this row's
                 out.error[i] = f"row {frame.index[i]!r}: route: {exc}"
                 continue
             first += self._layer_items(i, rows[i], prompts[i])

@@ -4,9 +4,11 @@ On Dask, `plan` turns the rows into per-model Demand (predicted tokens: each row
 plus a share of its prompt), gets the workers and their memory from the scheduler, and calls
 `place`; the scheduler plugin is told the replica set of every model (`pin`), so its balancing
 moves a model's rows only between workers holding that model (never cold-starting it elsewhere).
-`submit` sends rows in tasks of `rows_per_task` to the worker the placement gave them, loosely
-restricted (`allow_other_workers`): a task of a worker that dies is retried on another one, and
-the rows that worker held for others resume on their owners (cluster/host.py). Each task is
+`submit` sends rows in tasks of `rows_per_task` to the worker the placement gave them, strictly
+restricted (a loosely restricted task can be stolen by an idle worker, which would then load a
+model the placement did not put there). A task whose worker leaves the cluster is sent again to
+another replica of its model (or, with none left, to the least loaded worker), and the rows that
+worker held for others resume on their owners (cluster/host.py). Each task is
 `cluster.generate.generate_rows`, which joins that worker's engine for the model, one engine
 per (worker, model); a worker holds several when the placement puts several models there.
 Outside Dask every model runs in this process (`cluster.worker.local_host`), all at once.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -76,7 +79,10 @@ class ModelPool:
         self._pinned: set[str] = set()
         self._submitted: dict[tuple[str, str], float] = {}  # (model, worker) -> predicted tokens sent
         self._local: ThreadPoolExecutor | None = None
-        self._futures: set[Any] = set()
+        self._futures: dict[str, tuple[Any, str, str, list[Item]]] = {}  # key -> (future, model, worker, items)
+        self._replaced: set[str] = set()
+        self._replicas: dict[str, tuple[str, ...]] = {}  # model -> its placed workers
+        self._last_check = 0.0
 
     # -- placement --------------------------------------------------------------------------------
     def cost(self, name: str) -> ModelCost:
@@ -109,6 +115,7 @@ class ModelPool:
         demand = {m: Demand.of(r) for m, r in rows.items()}
         placement = place(demand, {m: self.cost(m) for m in demand}, self.workers(), policy or self.policy,
                           time_limit_s=self.time_limit_s)
+        self._replicas.update(placement.replicas)
         if self.client is not None:
             for m, workers in placement.replicas.items():
                 self._pin(m, list(workers))
@@ -165,18 +172,41 @@ class ModelPool:
             from ..cluster.generate import generate_rows
 
             fut = self.client.submit(generate_rows, requests, model=spec.model, engine_options=dict(spec.options),
-                                     workers=[worker], allow_other_workers=True, retries=self.retries, pure=False)
-            self._futures.add(fut)
+                                     workers=[worker], allow_other_workers=False, retries=self.retries, pure=False)
+            self._futures[fut.key] = (fut, model, worker, items)
         fut.add_done_callback(lambda f, keys=keys: self._finished(keys, f))
 
     def _finished(self, keys: list[Hashable], fut: Any) -> None:
+        key = getattr(fut, "key", None)
+        with self._lock:
+            if key in self._replaced:  # sent again elsewhere: the new task answers for these rows
+                self._replaced.discard(key)
+                self._pending -= 1
+                return
+            self._futures.pop(key, None)
         try:
             exc = fut.exception()
             result: list[RequestOutput] | BaseException = exc if exc is not None else fut.result()
         except BaseException as exc:  # noqa: BLE001 - a cancelled future: its rows fail
             result = exc
-        self._futures.discard(fut)
         self._done.put((keys, result))
+
+    def _resend_lost(self) -> None:
+        """Send again the tasks whose worker left (a restricted task would wait for it forever)."""
+        live = {w.name for w in self.workers()}
+        with self._lock:
+            lost = [(k, v) for k, v in self._futures.items() if v[2] not in live and not v[0].done()]
+        for key, (fut, model, worker, items) in lost:
+            replicas = [w for w in self._replicas.get(model, ()) if w in live]
+            target = min(replicas or sorted(live), key=lambda w: (self._submitted.get((model, w), 0.0), w))
+            if model in self._replicas and target not in self._replicas[model]:
+                self._replicas[model] = (*[w for w in self._replicas[model] if w in live], target)
+                self._pin(model, list(self._replicas[model]))
+            with self._lock:
+                self._replaced.add(key)
+                self._futures.pop(key, None)
+            self._send(model, target, items)
+            fut.cancel()
 
     def results(self) -> Iterator[tuple[Hashable, RequestOutput]]:
         """(key, output) as tasks finish, until nothing submitted is left (rows submitted while
@@ -186,7 +216,13 @@ class ModelPool:
             with self._lock:
                 if self._pending == 0:
                     return
-            keys, result = self._done.get()
+            if self.client is not None and time.monotonic() - self._last_check > 0.5:
+                self._last_check = time.monotonic()
+                self._resend_lost()
+            try:
+                keys, result = self._done.get(timeout=0.5)
+            except queue.Empty:
+                continue
             with self._lock:
                 self._pending -= 1
             if isinstance(result, BaseException):
@@ -200,8 +236,9 @@ class ModelPool:
 
     def close(self) -> None:
         """Unpin the models on the scheduler; cancel what is still running."""
-        for fut in list(self._futures):
+        for fut, *_ in list(self._futures.values()):
             fut.cancel()
+        self._submitted.clear()
         if self.client is not None:
             for name, spec in self.specs.items():
                 if spec.key in self._pinned:
