@@ -110,6 +110,7 @@ def simulated() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--simulate", action="store_true", help="only the simulated 4 and 16 GPU figures")
+    ap.add_argument("--expert-only", action="store_true", help="only ilp vs round_robin with no aggregator")
     ap.add_argument("--rows", type=int, default=160)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
@@ -132,6 +133,8 @@ def main() -> None:
         run(models, client, frame(8), "data_parallel", 0.6, costs)  # warm-up: imports on the workers
         configs = [("round_robin", 0.0), ("ilp", 0.0), ("ilp", float("inf")), ("ilp", 1.0), ("ilp", 0.6),
                    ("round_robin", float("inf"))]
+        if args.expert_only:
+            configs = configs[:2]
         best: dict[tuple[str, float], dict] = {}
         for _ in range(args.repeat):
             for placement, threshold in configs:
@@ -142,10 +145,14 @@ def main() -> None:
                 print(f"{placement:12s} threshold {threshold:<4} expert {s['expert_stage_s']:6.2f} s  "
                       f"aggregator {s['aggregator_stage_s']:6.2f} s  total {s['total_s']:6.2f} s  "
                       f"skipped {s['rows_skipped']}/{s['rows']}  | {s['placement']}", flush=True)
+                print("    last task per worker and model (s):", {w[-5:]: {m: round(t, 1) for m, t in ms.items()}
+                                                                 for w, ms in s["finished_s"].items()}, flush=True)
         rr, ilp = best[("round_robin", 0.0)], best[("ilp", 0.0)]
         print(f"\nexpert stage alone (threshold 0: no aggregator) round_robin / ilp: "
               f"{rr['expert_stage_s'] / ilp['expert_stage_s']:.2f}x measured, "
               f"{rr['predicted_expert_stage_s'] / ilp['predicted_expert_stage_s']:.2f}x predicted")
+        if args.expert_only:
+            return
         always = best[("ilp", float("inf"))]
         for thr in (1.0, 0.6):
             s = best[("ilp", thr)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from distributed import SchedulerPlugin
@@ -145,7 +145,16 @@ class BalancePlugin(SchedulerPlugin):
     def _plan(self, now: float) -> list[Migration]:
         if not self.config.enabled:
             return []
-        return plan_migrations(self._loads(now), self.config, arriving=self._tasks_arriving())
+        loads, arriving = self._loads(now), self._tasks_arriving()
+        if not self.pinned:
+            return plan_migrations(loads, self.config, arriving=arriving)
+        # A placed model (batchgen.moa) had its rows split by the placement: only not-started rows
+        # move between its replicas (running ones would ping-pong between workers whose other
+        # models' load the per-model view does not see).
+        free = [x for x in loads if x.model not in self.pinned]
+        placed = [x for x in loads if x.model in self.pinned]
+        return (plan_migrations(free, self.config, arriving=arriving)
+                + plan_migrations(placed, replace(self.config, migrate=False), arriving=arriving))
 
     def _tasks_arriving(self) -> bool:
         """Are tasks queued, or assigned to a worker and not yet running or seceded?"""

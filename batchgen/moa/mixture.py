@@ -56,11 +56,13 @@ class MoAStats:
     placement: str = ""  # Placement.describe() of the experts (and the aggregator's, after ';')
     predicted_expert_stage_s: float = 0.0
     placements: list[Placement] = field(default_factory=list)
+    # worker -> model -> seconds from the placement to that model's last task there (the aggregator's included)
+    finished_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("expert_stage_s", "aggregator_stage_s", "total_s", "rows",
                                                 "rows_skipped", "rows_aggregated", "placement",
-                                                "predicted_expert_stage_s")}
+                                                "predicted_expert_stage_s", "finished_s")}
 
 
 @dataclass(slots=True)
@@ -218,6 +220,7 @@ class MoA:
                                 self.sampling[self.aggregator])
                     self.pool.submit([item], agg_plan)
         finally:
+            stats.finished_s = {w: dict(m) for w, m in self.pool.finished_s.items()}
             self.pool.close()
         end = time.perf_counter()
         stats.total_s = end - start

@@ -83,6 +83,8 @@ class ModelPool:
         self._replaced: set[str] = set()
         self._replicas: dict[str, tuple[str, ...]] = {}  # model -> its placed workers
         self._last_check = 0.0
+        self._started = time.monotonic()
+        self.finished_s: dict[str, dict[str, float]] = {}  # worker -> model -> seconds to its last task's end
 
     # -- placement --------------------------------------------------------------------------------
     def cost(self, name: str) -> ModelCost:
@@ -113,6 +115,8 @@ class ModelPool:
                 raise BatchgenError(f"model {item.model!r} is not one of this job's models: {sorted(self.specs)}")
             rows.setdefault(item.model, {})[item.key] = item.predicted_tokens()
         demand = {m: Demand.of(r) for m, r in rows.items()}
+        self._started = time.monotonic()
+        self.finished_s = {}
         placement = place(demand, {m: self.cost(m) for m in demand}, self.workers(), policy or self.policy,
                           time_limit_s=self.time_limit_s)
         self._replicas.update(placement.replicas)
@@ -168,6 +172,7 @@ class ModelPool:
             if self._local is None:
                 self._local = ThreadPoolExecutor(max_workers=64, thread_name_prefix="batchgen-moa")
             fut = self._local.submit(_run_local, spec, requests)
+            self._futures[str(id(fut))] = (fut, model, worker, items)
         else:
             from ..cluster.generate import generate_rows
 
@@ -177,13 +182,16 @@ class ModelPool:
         fut.add_done_callback(lambda f, keys=keys: self._finished(keys, f))
 
     def _finished(self, keys: list[Hashable], fut: Any) -> None:
-        key = getattr(fut, "key", None)
+        key = getattr(fut, "key", str(id(fut)))
         with self._lock:
             if key in self._replaced:  # sent again elsewhere: the new task answers for these rows
                 self._replaced.discard(key)
                 self._pending -= 1
                 return
-            self._futures.pop(key, None)
+            entry = self._futures.pop(key, None)
+            if entry is not None:
+                by_model = self.finished_s.setdefault(entry[2], {})
+                by_model[entry[1]] = time.monotonic() - self._started
         try:
             exc = fut.exception()
             result: list[RequestOutput] | BaseException = exc if exc is not None else fut.result()
