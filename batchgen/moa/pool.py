@@ -201,7 +201,10 @@ class ModelPool:
 
     def _resend_lost(self) -> None:
         """Send again the tasks whose worker left (a restricted task would wait for it forever)."""
-        live = {w.name for w in self.workers()}
+        try:
+            live = {w.name for w in self.workers()}
+        except BatchgenError:  # no worker at the moment (one restarting): the tasks wait, as Dask's do
+            return
         with self._lock:
             lost = [(k, v) for k, v in self._futures.items() if v[2] not in live and not v[0].done()]
         for key, (fut, model, worker, items) in lost:
