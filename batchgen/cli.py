@@ -51,8 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/completions or /v1/chat/completions, body) or .parquet (one prompt per row; all "
         "columns pass through). The output uses the input's format. Rows with bad values get "
         "an error record and the job goes on; exit code 2 means it could not start.")
-    run.add_argument("--model", required=True, metavar="DIR", help="model directory "
-                     "(config.json, *.safetensors, tokenizer.json)")
+    which = run.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="DIR", help="model directory "
+                       "(config.json, *.safetensors, tokenizer.json)")
+    which.add_argument("--models", nargs="+", metavar="NAME=DIR", help="several models (or one models.toml): "
+                       "each JSONL line runs on the model its body.model names (batchgen/moa/backend.py)")
+    run.add_argument("--placement", choices=["ilp", "round_robin", "data_parallel"], default="ilp",
+                     help="with --models on a cluster: how models and rows are placed on workers (default: ilp)")
     run.add_argument("--input", required=True, type=Path, metavar="FILE",
                      help="requests: .jsonl (OpenAI batch) or .parquet")
     run.add_argument("--output", required=True, type=Path, metavar="FILE",
@@ -83,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     from batchgen.sim.cli import add_commands as add_sim_commands
 
     add_sim_commands(sub)  # plan, bench: the simulator's commands, self-contained in sim/cli.py
+    from batchgen.moa.cli import add_command as add_moa_command
+
+    add_moa_command(sub)  # moa: batchgen/moa/cli.py
     return parser
 
 
@@ -162,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
-        if args.command in ("plan", "bench"):
+        if args.command in ("plan", "bench", "moa"):
             return args.handler(args)
         return _run(args)
     except BatchgenError as exc:
@@ -183,8 +191,37 @@ def _run(args: argparse.Namespace) -> int:
                    param_columns=param_columns(args.param_column),
                    per_row_params=args.per_row_params)
     spec.check()
+    if args.models:
+        return _run_models(spec, args)
     summary = _execute(spec, args.model, args)
     print(f"batchgen: wrote {spec.output}: {summary.describe()}", file=sys.stderr)
+    return 0
+
+
+def _run_models(spec: JobSpec, args: argparse.Namespace) -> int:
+    from batchgen.moa.backend import parse_models, run_models_file_job
+
+    models = parse_models(args.models)
+    client = cluster = None
+    if args.scheduler or args.workers:
+        from distributed import Client
+
+        from batchgen.cluster.client import install, local_cluster
+
+        cluster = None if args.scheduler else local_cluster(args.workers)
+        client = Client(args.scheduler) if args.scheduler else Client(cluster)
+        install(client)
+    try:
+        summary, placement = run_models_file_job(spec, models, client=client, placement=args.placement,
+                                                 engine_options=engine_options(args), chunk_size=args.chunk_size,
+                                                 progress=args.progress)
+    finally:
+        if client is not None:
+            client.close()
+        if cluster is not None:
+            cluster.close()
+    where = f"; placement {placement.describe()}" if placement is not None else ""
+    print(f"batchgen: wrote {spec.output}: {summary.describe()}{where}", file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from .spec import EngineSpec
 
 
-def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prompt",
+def generate(pdf: pd.DataFrame, *, model: str | Path | Mapping[str, str | Path], prompt_column: str = "prompt",
+             model_column: str | None = None,
              per_row: Mapping[str, str] | None = None, engine_options: Mapping[str, Any] | None = None,
              expert_memory: int | str | None = None, expert_host_memory: int | str | None = None,
              **sampling: Any) -> pd.DataFrame:
@@ -39,6 +40,8 @@ def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prom
     like "2GiB": device and host memory for routed experts, the rest streamed from host memory
     and from the checkpoint on disk). sampling: SamplingParams fields shared by all rows, e.g.
     structured_outputs=StructuredOutputsParams(json=SCHEMA), or json_schema=SCHEMA.
+    model_column: run each row on the model this column names; `model` is then a mapping
+    name -> directory (a row naming another fails alone; see batchgen.moa.by_model).
 
     Returns `pdf` (same index, same order) plus `generated_text`, `num_generated_tokens`,
     `finish_reason` ("stop" | "length" | "error") and `error` (NA, or a message naming the row,
@@ -59,7 +62,16 @@ def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prom
         base = replace(base, structured_outputs=with_schema(base.structured_outputs, schema))
     per_row = dict(per_row or {})
     check_columns(pdf, prompt_column, per_row)
-    spec = EngineSpec.make(model, _with_expert_budgets(engine_options, expert_memory, expert_host_memory))
+    options = _with_expert_budgets(engine_options, expert_memory, expert_host_memory)
+    if model_column is not None:
+        from ..moa.by_model import run_by_model, spec_for_meta
+
+        spec_for_meta(model, options)  # type: ignore[arg-type]
+        if len(pdf) == 0 or is_meta_call():
+            return placeholder_output(pdf)
+        requests = read_requests(pdf, prompt_column, per_row, base)
+        return output_frame(pdf, run_by_model(pdf, model, model_column, requests, options))  # type: ignore[arg-type]
+    spec = EngineSpec.make(model, options)  # type: ignore[arg-type]
     if len(pdf) == 0 or is_meta_call():
         return placeholder_output(pdf)
 

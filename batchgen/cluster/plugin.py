@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from distributed import SchedulerPlugin
@@ -61,6 +61,9 @@ class BalancePlugin(SchedulerPlugin):
         self.counters = PluginCounters()
         self.epoch = 0
         self.log: list[tuple[float, Migration]] = []  # recent orders, for debugging
+        # model key -> the only workers that may start its engine (a placement's replicas, set by
+        # batchgen.moa); other models may cold-start anywhere
+        self.pinned: dict[str, frozenset[str]] = {}
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -142,7 +145,16 @@ class BalancePlugin(SchedulerPlugin):
     def _plan(self, now: float) -> list[Migration]:
         if not self.config.enabled:
             return []
-        return plan_migrations(self._loads(now), self.config, arriving=self._tasks_arriving())
+        loads, arriving = self._loads(now), self._tasks_arriving()
+        if not self.pinned:
+            return plan_migrations(loads, self.config, arriving=arriving)
+        # A placed model (batchgen.moa) had its rows split by the placement: only not-started rows
+        # move between its replicas (running ones would ping-pong between workers whose other
+        # models' load the per-model view does not see).
+        free = [x for x in loads if x.model not in self.pinned]
+        placed = [x for x in loads if x.model in self.pinned]
+        return (plan_migrations(free, self.config, arriving=arriving)
+                + plan_migrations(placed, replace(self.config, migrate=False), arriving=arriving))
 
     def _tasks_arriving(self) -> bool:
         """Are tasks queued, or assigned to a worker and not yet running or seceded?"""
@@ -161,8 +173,9 @@ class BalancePlugin(SchedulerPlugin):
             engines = view.report.get("engines", {})
             for model in models:
                 e = engines.get(model)
-                if e is None:  # this worker could run it after loading the model
-                    loads.append(EngineLoad(worker, model, ready=False))
+                if e is None:  # this worker could run it after loading the model, unless pinned elsewhere
+                    if model not in self.pinned or worker in self.pinned[model]:
+                        loads.append(EngineLoad(worker, model, ready=False))
                     continue
                 loads.append(EngineLoad(
                     worker, model, bool(e["ready"]), int(e["waiting"]), int(e["running"]),

@@ -114,11 +114,15 @@ def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
         wrote()
         return False
 
-    def valid_requests() -> Iterator[tuple[list[int], SamplingParams]]:
-        """Invalid rows are written here and never reach the backend."""
+    def valid_requests() -> Iterator[tuple[list[int], SamplingParams] | tuple[list[int], SamplingParams, str]]:
+        """Invalid rows are written here and never reach the backend. A multi-model row also
+        names its model (a ``batchgen.moa.MultiModelBackend`` takes those)."""
         for position, req in enumerate(r for r in requests if _written_if_invalid(r)):
             in_flight[position] = req
-            yield req.prompt_token_ids, req.params  # type: ignore[misc]
+            if req.model is None:
+                yield req.prompt_token_ids, req.params  # type: ignore[misc]
+            else:
+                yield req.prompt_token_ids, req.params, req.model  # type: ignore[misc]
 
     try:
         for position, out in backend.run(valid_requests(), chunk_size):

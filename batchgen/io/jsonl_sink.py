@@ -34,7 +34,7 @@ class JsonlSink:
         return len(self._buffer)
 
     def add_result(self, req: Request, out: RequestOutput) -> None:
-        self._add(success_record(req, out, self.model, self.tokenizer))
+        self._add(success_record(req, out, req.model or self.model, self.tokenizer))
 
     def add_error(self, req: Request) -> None:
         self._add(error_record(req))

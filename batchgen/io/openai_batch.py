@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +41,9 @@ _LINE_KEYED_CODES = frozenset({"invalid_json", "missing_custom_id", "duplicate_c
 class OpenAIBatchReader:
     """Parses an input file lazily; ``requests(skip)`` yields the rows whose key is not in skip."""
 
-    def __init__(self, path: Path, ctx: RowContext) -> None:
-        self.path, self.ctx = path, ctx
+    def __init__(self, path: Path, ctx: RowContext, contexts: Mapping[str, RowContext] | None = None) -> None:
+        """contexts: a multi-model job's models by name; each line's ``body.model`` picks one."""
+        self.path, self.ctx, self.contexts = path, ctx, contexts
 
     def count(self) -> int:
         with open(self.path, "rb") as f:
@@ -58,7 +59,9 @@ class OpenAIBatchReader:
                 if req.key in skip:
                     continue
                 if req.is_valid:
-                    complete(req, obj, self.ctx)
+                    ctx = self.ctx if self.contexts is None else pick_model(req, obj, self.contexts)
+                    if ctx is not None:
+                        complete(req, obj, ctx)
                 yield req
 
 
@@ -86,6 +89,20 @@ def identify(raw: bytes, number: int, seen: dict[str, int]) -> tuple[Request, di
         seen[cid] = number
         req.key, req.custom_id = ("id", cid), cid
     return req, obj
+
+
+def pick_model(req: Request, obj: dict[str, Any], contexts: Mapping[str, RowContext]) -> RowContext | None:
+    """The context of the model ``body.model`` names (set as ``req.model``); None: the row failed."""
+    body = obj.get("body")
+    name = body.get("model", NO_VALUE) if isinstance(body, dict) else NO_VALUE
+    if name is NO_VALUE:
+        req.fail("model_not_found", f"missing; this job runs the models {sorted(contexts)}", "body.model")
+        return None
+    if not isinstance(name, str) or name not in contexts:
+        req.fail("model_not_found", f"unknown model; this job runs {sorted(contexts)}", "body.model", name)
+        return None
+    req.model = name
+    return contexts[name]
 
 
 def complete(req: Request, obj: dict[str, Any], ctx: RowContext) -> None:

@@ -44,6 +44,7 @@ class Request:
     custom_id: str | None = None  # JSONL only
     chat: bool = False  # the prompt is chat messages, rendered by the chat template
     columns: dict[str, Any] = field(default_factory=dict)  # Parquet: the row's input columns
+    model: str | None = None  # multi-model jobs: the name of the model this row runs on
 
     @property
     def is_valid(self) -> bool:

@@ -80,7 +80,7 @@ class JobSpec:
             check_columns(self.input, schema.names, self.prompt_column, self.id_column,
                           self.param_columns)
 
-    def open(self, ctx: RowContext, *, model: str) -> tuple[
+    def open(self, ctx: RowContext, *, model: str, contexts: dict[str, RowContext] | None = None) -> tuple[
             OpenAIBatchReader | ParquetReader, Sink]:
         """The reader and the (resumed or fresh) sink; call ``check`` first."""
         self.output.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ class JobSpec:
         if not (self.resume and self._output_exists()):
             record(self.input, self.output)
         if self.format == "jsonl":
-            return (OpenAIBatchReader(self.input, ctx),
+            return (OpenAIBatchReader(self.input, ctx, contexts),
                     JsonlSink(self.output, model=model, resume=self.resume,
                               tokenizer=ctx.tokenizer))
         reader = ParquetReader(self.input, ctx, prompt_column=self.prompt_column,

@@ -1,0 +1,378 @@
+"""Where each model runs and which rows each replica gets: MOSAIC's expert placement. Pure:
+no torch, no Dask, no clock; state in, a Placement out.
+
+A worker's expert-stage time is the sum over the models it holds of (load time + that model's
+work there), work being predicted tokens x seconds per token; the job's expert stage ends with
+its slowest worker (the makespan). `place` minimizes that makespan:
+
+- policy "ilp": a mixed-integer program (scipy.optimize.milp, HiGHS). Binaries x[m, w] (model m
+  has a replica on worker w) and y[c, w] (chunk c of m's rows goes to w, y <= x); per worker
+  sum_m mem[m] x[m, w] <= mem[w] and sum (load[m] x[m, w] + work[c] y[c, w]) <= T; minimize T.
+  Each model's rows are dealt into at most `chunks_per_model` chunks of near-equal work
+  (largest first), so small jobs are solved row by row (exact) and large ones stay a few
+  thousand binaries. The replica cap bounds each model's replicas by its work over its load
+  time (a replica that loads for longer than the work it takes over cannot pay for itself) and
+  by its chunks. The solver runs under `time_limit_s`; if it has no answer by then, or a worse
+  one than the greedy placement, the greedy one is used, and `Placement.solver` says which.
+- policy "round_robin": model i on worker i mod N (the next one with room), all its rows there.
+- policy "data_parallel": every model on every worker, each model's rows dealt round-robin.
+
+Why HiGHS through scipy: maintained, ships in scipy wheels (no solver binary to install), and
+honours a time limit while returning its incumbent.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import BatchgenError
+
+Policy = Literal["ilp", "round_robin", "data_parallel"]
+POLICIES: tuple[str, ...] = ("ilp", "round_robin", "data_parallel")
+
+
+class PlacementError(BatchgenError):
+    """The models cannot be placed (memory), or the inputs are inconsistent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """The rows routed to one model and their predicted generated (+ prompt) token counts."""
+
+    rows: tuple[Hashable, ...]
+    tokens: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.rows) != len(self.tokens):
+            raise PlacementError(f"Demand: {len(self.rows)} rows but {len(self.tokens)} token counts")
+        if any(not (t >= 0 and math.isfinite(t)) for t in self.tokens):
+            raise PlacementError("Demand: token counts must be finite and >= 0")
+
+    @classmethod
+    def of(cls, rows: Mapping[Hashable, float]) -> Demand:
+        return cls(tuple(rows), tuple(float(t) for t in rows.values()))
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    """Profiled cost of one model: seconds per token at full batch, seconds to load, bytes held."""
+
+    seconds_per_token: float
+    load_s: float = 0.0
+    memory_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seconds_per_token", "load_s", "memory_bytes"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise PlacementError(f"ModelCost.{name} must be finite and >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    """One worker (one device) and the memory models may use on it."""
+
+    name: str
+    memory_bytes: int | float = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """replicas[model] = workers holding it; rows[worker][model] = the rows it runs there."""
+
+    policy: str
+    replicas: dict[str, tuple[str, ...]]
+    rows: dict[str, dict[str, tuple[Hashable, ...]]]
+    worker_s: dict[str, float]  # predicted expert-stage seconds per worker
+    solver: str = ""  # "ilp" (proved optimal) | "ilp-incumbent" (time limit) | "greedy" | policy name
+    solve_s: float = 0.0
+    note: str = ""  # why the fallback was used, if it was
+    optimal: bool = False
+
+    @property
+    def makespan_s(self) -> float:
+        """Predicted expert-stage time: the slowest worker's load + work."""
+        return max(self.worker_s.values(), default=0.0)
+
+    def worker_of(self) -> dict[tuple[str, Hashable], str]:
+        """(model, row) -> worker."""
+        return {(m, r): w for w, by_model in self.rows.items() for m, rs in by_model.items() for r in rs}
+
+    def describe(self) -> str:
+        reps = ", ".join(f"{m}: {len(ws)}" for m, ws in sorted(self.replicas.items()))
+        return (f"{self.policy} ({self.solver}{'; ' + self.note if self.note else ''}): replicas {reps}; "
+                f"predicted expert stage {self.makespan_s:.3g} s")
+
+
+def place(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot],
+          policy: Policy = "ilp", *, time_limit_s: float = 5.0, chunks_per_model: int | None = None,
+          max_replicas: Mapping[str, int] | None = None) -> Placement:
+    """Place the models of `demand` on `workers` and split their rows, minimizing the predicted
+    expert-stage makespan (see the module docstring). Models with no rows are not placed.
+    Raises PlacementError when a model fits no worker or the models cannot all be held."""
+    if policy not in POLICIES:
+        raise PlacementError(f"placement policy {policy!r} unknown; use one of {', '.join(POLICIES)}")
+    _check(demand, costs, workers)
+    models = sorted(m for m, d in demand.items() if d.rows)
+    if policy == "round_robin":
+        return _finish(policy, _round_robin(models, costs, workers), demand, costs, workers, policy)
+    if policy == "data_parallel":
+        return _data_parallel(models, demand, costs, workers)
+    return _ilp(models, demand, costs, workers, time_limit_s,
+                chunks_per_model or max(8, 4 * len(workers)), dict(max_replicas or {}))
+
+
+def _check(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot]) -> None:
+    if not workers:
+        raise PlacementError("no workers to place models on")
+    names = [w.name for w in workers]
+    if len(set(names)) != len(names):
+        raise PlacementError(f"worker names must be unique, got {names}")
+    for m, d in demand.items():
+        if m not in costs:
+            raise PlacementError(f"model {m!r} has demand but no ModelCost")
+        if d.rows and len(set(d.rows)) != len(d.rows):
+            raise PlacementError(f"model {m!r}: a row is routed to it twice")
+        biggest = max(w.memory_bytes for w in workers)
+        if d.rows and costs[m].memory_bytes > biggest:
+            raise PlacementError(f"model {m!r} needs {costs[m].memory_bytes} bytes; the largest worker has "
+                                 f"{biggest}: it fits no worker")
+
+
+# -- rows onto replicas ----------------------------------------------------------------------------
+def _chunks(d: Demand, n: int) -> list[list[int]]:
+    """Row indices dealt into at most n chunks of near-equal tokens (largest row first)."""
+    order = sorted(range(len(d.rows)), key=lambda i: (-d.tokens[i], i))
+    if len(order) <= n:
+        return [[i] for i in order]
+    chunks: list[list[int]] = [[] for _ in range(n)]
+    sums = [0.0] * n
+    for i in order:
+        k = min(range(n), key=lambda j: (sums[j], j))
+        chunks[k].append(i)
+        sums[k] += d.tokens[i]
+    return chunks
+
+
+def _spread(d: Demand, cost: ModelCost, replicas: Sequence[str], base: dict[str, float],
+            units: list[list[int]] | None = None) -> dict[str, list[int]]:
+    """Rows (or `units`, groups of row indices) of one model onto its replicas, largest first to
+    the replica that would finish first counting what it already has (`base`, updated)."""
+    if units is None:
+        units = [[i] for i in range(len(d.rows))]
+    sized = sorted(((sum(d.tokens[i] for i in u), u) for u in units), key=lambda su: (-su[0], su[1][:1]))
+    out: dict[str, list[int]] = {w: [] for w in replicas}
+    for tokens, unit in sized:
+        w = min(replicas, key=lambda w: (base[w], w))
+        out[w].extend(unit)
+        base[w] += tokens * cost.seconds_per_token
+    return out
+
+
+def _finish(policy: str, replicas: dict[str, list[str]], demand: Mapping[str, Demand],
+            costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot], solver: str,
+            assign: dict[str, dict[str, list[int]]] | None = None, units: dict[str, list[list[int]]] | None = None,
+            **extra: object) -> Placement:
+    """Build the Placement: rows (or `units`) spread onto replicas unless `assign` gives them;
+    replicas left without rows are dropped (and not charged their load)."""
+    base = {w.name: 0.0 for w in workers}
+    if assign is None:
+        for m in sorted(replicas, key=lambda m: -demand[m].total * costs[m].seconds_per_token):
+            for w in replicas[m]:
+                base[w] += costs[m].load_s
+        assign = {}
+        for m in sorted(replicas, key=lambda m: -demand[m].total * costs[m].seconds_per_token):
+            assign[m] = _spread(demand[m], costs[m], replicas[m], base, (units or {}).get(m))
+    rows: dict[str, dict[str, tuple[Hashable, ...]]] = {w.name: {} for w in workers}
+    worker_s = {w.name: 0.0 for w in workers}
+    used: dict[str, list[str]] = {}
+    for m, by_worker in assign.items():
+        d = demand[m]
+        for w, idx in by_worker.items():
+            if not idx:
+                continue
+            rows[w][m] = tuple(d.rows[i] for i in idx)
+            worker_s[w] += costs[m].load_s + costs[m].seconds_per_token * sum(d.tokens[i] for i in idx)
+            used.setdefault(m, []).append(w)
+    order = {w.name: i for i, w in enumerate(workers)}
+    reps = {m: tuple(sorted(ws, key=order.__getitem__)) for m, ws in used.items()}
+    return Placement(policy, reps, rows, worker_s, solver=solver, **extra)  # type: ignore[arg-type]
+
+
+def _fits(mem: dict[str, float], w: WorkerSlot, need: int) -> bool:
+    return mem[w.name] + need <= w.memory_bytes
+
+
+def _round_robin(models: list[str], costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot]) -> dict[str, list[str]]:
+    mem = {w.name: 0.0 for w in workers}
+    replicas: dict[str, list[str]] = {}
+    for i, m in enumerate(models):
+        for k in range(len(workers)):
+            w = workers[(i + k) % len(workers)]
+            if _fits(mem, w, costs[m].memory_bytes):
+                mem[w.name] += costs[m].memory_bytes
+                replicas[m] = [w.name]
+                break
+        else:
+            raise PlacementError(f"round_robin: no worker has room left for model {m!r} "
+                                 f"({costs[m].memory_bytes} bytes) after the models before it")
+    return replicas
+
+
+def _data_parallel(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost],
+                   workers: Sequence[WorkerSlot]) -> Placement:
+    need = sum(costs[m].memory_bytes for m in models)
+    small = [w.name for w in workers if w.memory_bytes < need]
+    if small:
+        raise PlacementError(f"data_parallel puts every model on every worker ({need} bytes); "
+                             f"workers {small} have less memory")
+    names = [w.name for w in workers]
+    assign = {m: {w: list(range(k, len(demand[m].rows), len(names))) for k, w in enumerate(names)} for m in models}
+    return _finish("data_parallel", {m: names for m in models}, demand, costs, workers, "data_parallel", assign)
+
+
+# -- greedy ----------------------------------------------------------------------------------------
+def _greedy(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost],
+            workers: Sequence[WorkerSlot], caps: dict[str, int], chunks: dict[str, list[list[int]]]) -> Placement | None:
+    """Largest model first onto the worker that finishes it first, then replicas added one at a
+    time (on the bottleneck's models) while they lower the predicted makespan. Trials are
+    judged on chunks; the answer spreads single rows. None when first-fit packing leaves a
+    model without room (the program may still find a packing)."""
+    work = {m: demand[m].total * costs[m].seconds_per_token for m in models}
+    mem = {w.name: 0.0 for w in workers}
+    replicas: dict[str, list[str]] = {}
+    load = {w.name: 0.0 for w in workers}
+    for m in sorted(models, key=lambda m: (-work[m], m)):
+        fit = [w for w in workers if _fits(mem, w, costs[m].memory_bytes)]
+        if not fit:
+            return None
+        w = min(fit, key=lambda w: (load[w.name] + costs[m].load_s + work[m], w.name))
+        replicas[m] = [w.name]
+        mem[w.name] += costs[m].memory_bytes
+        load[w.name] += costs[m].load_s + work[m]
+    best = _finish("ilp", replicas, demand, costs, workers, "greedy", units=chunks)
+    while True:
+        bottleneck = max(best.worker_s, key=best.worker_s.__getitem__)
+        trial_best: tuple[Placement, str, str] | None = None
+        for m in best.rows[bottleneck]:
+            if len(replicas[m]) >= caps[m]:
+                continue
+            for w in workers:
+                if w.name in replicas[m] or not _fits(mem, w, costs[m].memory_bytes):
+                    continue
+                trial = _finish("ilp", {**replicas, m: replicas[m] + [w.name]}, demand, costs, workers, "greedy",
+                                units=chunks)
+                if trial.makespan_s < (trial_best[0].makespan_s if trial_best else best.makespan_s) - 1e-12:
+                    trial_best = (trial, m, w.name)
+        if trial_best is None:
+            final = _finish("ilp", replicas, demand, costs, workers, "greedy")
+            return final if final.makespan_s <= best.makespan_s else best
+        best, m, w_name = trial_best
+        replicas = {**replicas, m: replicas[m] + [w_name]}
+        mem[w_name] += costs[m].memory_bytes
+
+
+# -- the mixed-integer program ---------------------------------------------------------------------
+def _caps(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], n_workers: int,
+          chunks: dict[str, list[list[int]]], given: dict[str, int], bound_s: float = math.inf) -> dict[str, int]:
+    """Most replicas per model. Load time against work: the workers' total time, n * T, holds
+    all the work plus every replica's load, so with T no worse than `bound_s` (a placement in
+    hand) model m can have at most (n * bound - work - the other models' one load each) / load[m]
+    replicas: a cap that never cuts off a better placement. Also at most one per chunk, and the
+    caller's `max_replicas`."""
+    total = sum(demand[m].total * costs[m].seconds_per_token for m in models)
+    loads = sum(costs[m].load_s for m in models)
+    caps: dict[str, int] = {}
+    for m in models:
+        cap = min(n_workers, len(chunks[m]), given.get(m, n_workers))
+        if costs[m].load_s > 0 and math.isfinite(bound_s):
+            room = n_workers * bound_s - total - (loads - costs[m].load_s)
+            cap = min(cap, math.floor(room / costs[m].load_s + 1e-9))
+        caps[m] = max(1, cap)
+    return caps
+
+
+def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost],
+         workers: Sequence[WorkerSlot], time_limit_s: float, per_model: int, given: dict[str, int]) -> Placement:
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_array
+
+    start = time.perf_counter()
+    chunks = {m: _chunks(demand[m], per_model) for m in models}
+    if not models:
+        return _finish("ilp", {}, demand, costs, workers, "ilp", optimal=True)
+    greedy = _greedy(models, demand, costs, workers, _caps(models, demand, costs, len(workers), chunks, given),
+                     chunks)
+    caps = _caps(models, demand, costs, len(workers), chunks, given,
+                 greedy.makespan_s if greedy is not None else math.inf)
+    W = len(workers)
+    # variable layout: x[m, w] | y[c, w] for every chunk c | T
+    xi = {(m, w): i * W + w for i, m in enumerate(models) for w in range(W)}
+    flat = [(m, c) for m in models for c in chunks[m]]
+    y0 = len(models) * W
+    t = y0 + len(flat) * W
+    n = t + 1
+    work = [costs[m].seconds_per_token * sum(demand[m].tokens[i] for i in c) for m, c in flat]
+    rows: list[tuple[dict[int, float], float, float]] = []
+    for k, (m, _) in enumerate(flat):
+        rows.append(({y0 + k * W + w: 1.0 for w in range(W)}, 1.0, 1.0))  # each chunk somewhere
+        for w in range(W):
+            rows.append(({y0 + k * W + w: 1.0, xi[m, w]: -1.0}, -np.inf, 0.0))  # only on a replica
+    for m in models:
+        rows.append(({xi[m, w]: 1.0 for w in range(W)}, 1.0, float(caps[m])))
+    for w, slot in enumerate(workers):
+        if math.isfinite(slot.memory_bytes):
+            rows.append(({xi[m, w]: float(costs[m].memory_bytes) for m in models}, -np.inf, float(slot.memory_bytes)))
+        time_row = {xi[m, w]: costs[m].load_s for m in models}
+        time_row.update({y0 + k * W + w: work[k] for k in range(len(flat))})
+        time_row[t] = -1.0
+        rows.append((time_row, -np.inf, 0.0))
+    A = lil_array((len(rows), n))
+    lo, hi = np.empty(len(rows)), np.empty(len(rows))
+    for r, (coefs, low, high) in enumerate(rows):
+        for j, v in coefs.items():
+            A[r, j] = v
+        lo[r], hi[r] = low, high
+    c = np.zeros(n)
+    c[t] = 1.0
+    integrality = np.ones(n)
+    integrality[t] = 0
+    ub = np.ones(n)
+    ub[t] = np.inf
+    res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
+               bounds=Bounds(np.zeros(n), ub), options={"time_limit": max(0.01, time_limit_s), "disp": False,
+                                                              "mip_rel_gap": 1e-6})
+    solve_s = time.perf_counter() - start
+    if res.x is None:
+        if res.status == 2:  # proven infeasible: memory
+            raise PlacementError("the models cannot all be held: no assignment fits every worker's memory "
+                                 f"(models {[(m, costs[m].memory_bytes) for m in models]}, "
+                                 f"workers {[(w.name, w.memory_bytes) for w in workers]})")
+        if greedy is None:
+            raise PlacementError(f"no placement found: the solver gave none in {time_limit_s:g} s "
+                                 f"({res.message}) and greedy packing could not fit the models in memory")
+        return _replace(greedy, solve_s, f"solver gave no answer in {time_limit_s:g} s ({res.message})")
+    assign: dict[str, dict[str, list[int]]] = {m: {} for m in models}
+    for k, (m, chunk) in enumerate(flat):
+        w = int(np.argmax(res.x[y0 + k * W: y0 + (k + 1) * W]))
+        assign[m].setdefault(workers[w].name, []).extend(chunk)
+    solver = "ilp" if res.status == 0 else "ilp-incumbent"
+    found = _finish("ilp", {}, demand, costs, workers, solver, assign, solve_s=solve_s, optimal=res.status == 0)
+    if greedy is not None and found.makespan_s > greedy.makespan_s + 1e-12:
+        return _replace(greedy, solve_s, f"solver's best after {time_limit_s:g} s was worse than greedy")
+    return found
+
+
+def _replace(p: Placement, solve_s: float, note: str) -> Placement:
+    return Placement(p.policy, p.replicas, p.rows, p.worker_s, solver="greedy", solve_s=solve_s, note=note)
+
+
+__all__ = ["Demand", "ModelCost", "Placement", "PlacementError", "Policy", "POLICIES", "WorkerSlot", "place"]

@@ -1,0 +1,138 @@
+"""batchgen.moa.place: optimal against brute force, memory respected, clear errors, fallback."""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+
+from batchgen.moa import Demand, ModelCost, PlacementError, WorkerSlot, place
+
+
+def brute_force(demand: dict[str, Demand], costs: dict[str, ModelCost], workers: list[WorkerSlot]) -> float:
+    """Every row -> worker assignment; a model is loaded where it has rows."""
+    items = [(m, i) for m, d in demand.items() for i in range(len(d.rows))]
+    best = float("inf")
+    for choice in itertools.product(range(len(workers)), repeat=len(items)):
+        held: list[set[str]] = [set() for _ in workers]
+        work = [0.0] * len(workers)
+        for (m, i), w in zip(items, choice):
+            held[w].add(m)
+            work[w] += demand[m].tokens[i] * costs[m].seconds_per_token
+        if any(sum(costs[m].memory_bytes for m in h) > ws.memory_bytes for h, ws in zip(held, workers)):
+            continue
+        span = max(work[w] + sum(costs[m].load_s for m in held[w]) for w in range(len(workers)))
+        best = min(best, span)
+    return best
+
+
+def check_valid(p, demand, costs, workers) -> None:
+    where = p.worker_of()
+    assert sorted(where) == sorted((m, r) for m, d in demand.items() for r in d.rows)  # every row once
+    for w in workers:
+        assert sum(costs[m].memory_bytes for m in p.rows[w.name]) <= w.memory_bytes
+    for m, ws in p.replicas.items():
+        assert set(ws) == {w for w, by in p.rows.items() if m in by}
+
+
+def random_case(rng: random.Random, rows: int) -> tuple[dict, dict, list]:
+    n_models, n_workers = rng.choice([(2, 2), (3, 2), (2, 3), (3, 3)])
+    names = [f"m{i}" for i in range(n_models)]
+    demand: dict[str, list] = {m: [] for m in names}
+    for r in range(rows):
+        demand[rng.choice(names)].append((r, rng.choice([1, 5, 20, 60])))
+    demand = {m: Demand.of(dict(rs)) for m, rs in demand.items()}
+    costs = {m: ModelCost(rng.choice([0.01, 0.05]), rng.choice([0.0, 0.3, 2.0]), rng.choice([4, 6])) for m in names}
+    workers = [WorkerSlot(f"w{i}", rng.choice([10, 12, 100])) for i in range(n_workers)]
+    return demand, costs, workers
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ilp_is_optimal_against_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    demand, costs, workers = random_case(rng, rows=6)
+    best = brute_force(demand, costs, workers)
+    p = place(demand, costs, workers, "ilp")
+    check_valid(p, demand, costs, workers)
+    assert p.solver == "ilp" and p.optimal
+    assert p.makespan_s == pytest.approx(best, rel=1e-9, abs=1e-9)
+    for policy in ("round_robin", "data_parallel"):
+        try:
+            other = place(demand, costs, workers, policy)
+        except PlacementError:
+            continue
+        check_valid(other, demand, costs, workers)
+        assert other.makespan_s >= best - 1e-9
+
+
+def test_replicates_the_heavy_model_and_pins_light_ones() -> None:
+    demand = {"reason": Demand.of({i: 200 for i in range(40)}), "a": Demand.of({100 + i: 20 for i in range(10)}),
+              "b": Demand.of({200 + i: 20 for i in range(10)})}
+    costs = {m: ModelCost(0.001, 0.5, 1) for m in demand}
+    workers = [WorkerSlot(f"w{i}") for i in range(4)]
+    p = place(demand, costs, workers)
+    assert len(p.replicas["reason"]) >= 3 and len(p.replicas["a"]) == 1 and len(p.replicas["b"]) == 1
+    rr = place(demand, costs, workers, "round_robin")
+    assert p.makespan_s < rr.makespan_s / 2
+
+
+def test_load_time_against_work() -> None:
+    # x: 1 s of work, 5 s to load; z: 20 s of work, free to load. A second replica of x would
+    # cost more load than the work it takes over; z is split around x.
+    demand = {"x": Demand.of({i: 10 for i in range(10)}), "z": Demand.of({100 + i: 100 for i in range(20)})}
+    costs = {"x": ModelCost(0.01, 5.0, 1), "z": ModelCost(0.01, 0.0, 1)}
+    workers = [WorkerSlot("a"), WorkerSlot("b")]
+    p = place(demand, costs, workers)
+    assert len(p.replicas["x"]) == 1 and len(p.replicas["z"]) == 2
+    assert p.makespan_s == pytest.approx(13.0)
+    # alone, x is worth a second replica: the two loads run in parallel (5 + 0.5 < 5 + 1)
+    alone = place({"x": demand["x"]}, costs, workers)
+    assert len(alone.replicas["x"]) == 2 and alone.makespan_s == pytest.approx(5.5)
+    capped = place({"x": demand["x"]}, costs, workers, max_replicas={"x": 1})
+    assert capped.replicas == {"x": ("a",)} and capped.makespan_s == pytest.approx(6.0)
+
+
+def test_memory_is_respected() -> None:
+    # two big models cannot share a worker: each gets its own even though one has all the work
+    demand = {"x": Demand.of({i: 100 for i in range(10)}), "y": Demand.of({100 + i: 1 for i in range(10)})}
+    costs = {"x": ModelCost(0.01, 0.0, 8), "y": ModelCost(0.01, 0.0, 8)}
+    p = place(demand, costs, [WorkerSlot("a", 10), WorkerSlot("b", 10)])
+    check_valid(p, demand, costs, [WorkerSlot("a", 10), WorkerSlot("b", 10)])
+    assert len(p.replicas["x"]) == 1 and p.replicas["x"] != p.replicas["y"]
+    with pytest.raises(PlacementError, match="data_parallel puts every model on every worker"):
+        place(demand, costs, [WorkerSlot("a", 10), WorkerSlot("b", 10)], "data_parallel")
+
+
+def test_infeasible_memory_is_a_clear_error() -> None:
+    demand = {"x": Demand.of({1: 5}), "y": Demand.of({2: 5}), "z": Demand.of({3: 5})}
+    costs = {m: ModelCost(0.01, 0.0, 6) for m in demand}
+    with pytest.raises(PlacementError, match="cannot all be held"):
+        place(demand, costs, [WorkerSlot("a", 10), WorkerSlot("b", 10)])
+    with pytest.raises(PlacementError, match="fits no worker"):
+        place({"x": Demand.of({1: 5})}, {"x": ModelCost(0.01, 0.0, 11)}, [WorkerSlot("a", 10)])
+    with pytest.raises(PlacementError, match="unknown"):
+        place(demand, costs, [WorkerSlot("a")], "fastest")  # type: ignore[arg-type]
+    with pytest.raises(PlacementError, match="no ModelCost"):
+        place({"q": Demand.of({1: 1})}, {}, [WorkerSlot("a")])
+
+
+def test_falls_back_within_the_time_limit() -> None:
+    rng = random.Random(7)
+    demand = {f"m{k}": Demand.of({(k, i): rng.randint(1, 500) for i in range(300)}) for k in range(8)}
+    costs = {m: ModelCost(rng.choice([0.001, 0.003, 0.01]), 0.2, 1) for m in demand}
+    workers = [WorkerSlot(f"w{i}") for i in range(16)]
+    start = time.perf_counter()
+    p = place(demand, costs, workers, time_limit_s=0.05)
+    elapsed = time.perf_counter() - start
+    check_valid(p, demand, costs, workers)
+    assert p.solver in ("greedy", "ilp-incumbent") and not p.optimal
+    assert p.solver != "greedy" or p.note  # the fallback says why
+    assert elapsed < 10.0  # the limit bounds the solver; building the program and greedy add the rest
+    total = sum(d.total * costs[m].seconds_per_token for m, d in demand.items())
+    assert p.makespan_s <= 1.25 * (total / len(workers) + 0.2 * 8)
+
+
+def test_empty_and_zero_demand() -> None:
+    p = place({"m": Demand((), ())}, {"m": ModelCost(0.1)}, [WorkerSlot("a")])
+    assert p.replicas == {} and p.makespan_s == 0.0
