@@ -13,11 +13,11 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import RequestError
+from ..errors import RequestError, StateError
 from . import schedulers
 from .condition import encode_prompts, prompt_error
 from .cost import CostModel
@@ -27,6 +27,9 @@ from .pipeline import load_pipeline
 from .policy import TrajView, check_policy, plan_step
 from .request import ImageRequest
 from .trajectory import Status, Trajectory, from_bytes, to_bytes
+
+if TYPE_CHECKING:
+    from .sp import UlyssesShard
 
 
 @dataclass(slots=True)
@@ -100,7 +103,7 @@ class DiffusionEngine:
             traj.error = err
             traj.move(Status.FAILED, "rejected at admission")
         self._trajs[tid] = traj
-        self._meta[tid] = (time.monotonic() if arrival is None else arrival, deadline)
+        self._meta[tid] = (time.time() if arrival is None else arrival, deadline)
         return tid
 
     def has_unfinished(self) -> bool:
@@ -118,7 +121,7 @@ class DiffusionEngine:
         running = [t for t in self._trajs.values() if t.status is Status.RUNNING]
         if running:
             views = [self._view(t) for t in running]
-            now = time.monotonic() if now is None else now
+            now = time.time() if now is None else now
             for group in plan_step(views, self.policy, now, self.cost, self.max_batch_rows, self.max_batch_tokens):
                 trajs = [self._trajs[tid] for tid in group]
                 step_group(self.pipe, trajs, [self._live[tid] for tid in group], self._uncond)
@@ -138,7 +141,9 @@ class DiffusionEngine:
         traj = self._trajs.pop(tid)
         self._meta.pop(tid, None)
         live = self._live.pop(tid, None)
-        if live is not None:
+        if live is not None and traj.status is Status.DENOISED:
+            traj.latents = traj.latents.cpu()
+        elif live is not None:
             fresh = schedulers.make_scheduler(self.pipe.scheduler_class, self.pipe.scheduler_config, traj.num_steps)
             traj.scheduler_state = schedulers.read_state(live.scheduler, fresh)
             traj.rng_state = live.generator.get_state()
@@ -150,9 +155,15 @@ class DiffusionEngine:
     def resume(self, data: bytes, *, deadline: float | None = None, arrival: float | None = None) -> int:
         """Continue a suspended trajectory here; -> its new id on this engine."""
         traj = from_bytes(data, self.model_key)
+        length = traj.cond["embeds"].shape[0] if "embeds" in traj.cond else None
+        if length is not None and length != self.pipe.max_sequence_length:
+            raise StateError(f"trajectory's prompt is padded to {length} tokens, this engine's "
+                             f"max_sequence_length is {self.pipe.max_sequence_length}")
         tid = self._next_tid
         self._next_tid += 1
         traj.tid = tid
+        if traj.status is Status.DENOISED:
+            traj.latents = traj.latents.to(self.device)
         if traj.status is Status.RUNNING:
             traj.latents = traj.latents.to(self.device)
             traj.cond = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in traj.cond.items()}
@@ -164,11 +175,22 @@ class DiffusionEngine:
             self._ensure_uncond()
         traj.reasons.append(f"resumed at step {traj.step}")
         self._trajs[tid] = traj
-        self._meta[tid] = (time.monotonic() if arrival is None else arrival, deadline)
+        self._meta[tid] = (time.time() if arrival is None else arrival, deadline)
         return tid
 
     def trajectory(self, tid: int) -> Trajectory:
         return self._trajs[tid]
+
+    def step_trajectory(self, tid: int, sp: UlyssesShard | None = None) -> None:
+        """One denoising step of one running trajectory, optionally sequence-parallel (every
+        member of sp's group calls this for the same trajectory state)."""
+        self._admit()
+        t = self._trajs[tid]
+        if t.status is not Status.RUNNING:
+            raise ValueError(f"trajectory {tid} is {t.status.value}, not running")
+        step_group(self.pipe, [t], [self._live[tid]], self._uncond, sp)
+        if t.remaining_steps == 0:
+            t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
 
     # ---- whole jobs -----------------------------------------------------------------------
     def stream(self, requests: Iterable[ImageRequest], max_in_flight: int = 256) -> Iterator[ImageOutput]:

@@ -65,9 +65,10 @@ class Trajectory:
         return tuple(self.latents.shape)
 
     @property
-    def group_key(self) -> tuple[tuple[int, ...], bool]:
-        """Trajectories with equal keys can share a forward (any timesteps)."""
-        return self.latent_shape, self.uses_guidance
+    def group_key(self) -> tuple[tuple[int, ...]]:
+        """Trajectories with equal keys can share a forward, at any timesteps and with or without
+        classifier-free guidance (a guided one adds its unconditional row to the same forward)."""
+        return (self.latent_shape,)
 
     def move(self, status: Status, reason: str) -> None:
         self.status = status
