@@ -1,4 +1,5 @@
-"""batchgen.diffuse on a Dask LocalCluster, and `batchgen run` on /v1/images/generations JSONL."""
+"""`batchgen run` on /v1/images/generations JSONL (batchgen.diffuse on a cluster: test_diffusion_sp.py,
+which shares its LocalCluster)."""
 from __future__ import annotations
 
 import base64
@@ -7,43 +8,19 @@ import subprocess
 import sys
 
 import numpy as np
-import pandas as pd
 import pytest
 
 pytest.importorskip("diffusers")
 
 import tiny_diffusion as tiny  # noqa: E402
 
-import batchgen  # noqa: E402
+from batchgen.cli import main  # noqa: E402
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def dit_dir(tmp_path_factory: pytest.TempPathFactory):
     return tiny.build_dit(tmp_path_factory.mktemp("dit_io") / "pipe")
-
-
-def test_diffuse_on_local_cluster(dit_dir, tmp_path):
-    import dask.dataframe as dd
-    from distributed import Client, LocalCluster
-
-    pdf = pd.DataFrame({"class_label": [1, 2, 99, 3], "num_inference_steps": [3, 4, 3, 0],
-                        "seed": [0, 1, 2, 3], "tag": list("abcd")})
-    out_dir = tmp_path / "png"
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
-            Client(cluster):
-        ddf = dd.from_pandas(pdf, npartitions=2)
-        got = ddf.map_partitions(batchgen.diffuse, model=str(dit_dir), output_dir=str(out_dir),
-                                 guidance_scale=3.0).compute()
-    assert list(got["tag"]) == list("abcd") and list(got.index) == [0, 1, 2, 3]
-    assert got["error"].isna().tolist() == [True, True, False, False]
-    assert "class_label 99" in got["error"][2] and "num_inference_steps" in got["error"][3]
-    engine = DiffusionEngine(dit_dir)
-    for i in (0, 1):
-        png = np.asarray(__import__("PIL.Image").Image.open(got["image_path"][i]))
-        ref = engine.generate([ImageRequest(class_label=int(pdf.class_label[i]), num_inference_steps=int(pdf.num_inference_steps[i]),
-                                            seed=int(pdf.seed[i]), guidance_scale=3.0)])[0]
-        assert np.array_equal(png, np.asarray(ref))
 
 
 def _line(cid, body, url="/v1/images/generations"):
@@ -58,9 +35,11 @@ def test_batchgen_run_images_jsonl_with_resume(dit_dir, tmp_path):
              "{not json", _line("d", {"class_label": 1}, url="/v1/completions"),
              _line("e", {"class_label": 1, "num_inference_steps": 2, "quality": "hd"})]
     inp.write_text("\n".join(lines[:2]) + "\n")
-    cmd = [sys.executable, "-m", "batchgen.cli", "run", "--model", str(dit_dir), "--input", str(inp), "--output", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
+    args = ["run", "--model", str(dit_dir), "--input", str(inp), "--output", str(out)]
+    assert main(args) == 0
     first = out.read_text()
+    assert main(args) == 2  # exists, neither --resume nor --overwrite
+    cmd = [sys.executable, "-m", "batchgen.cli", *args]
     inp.write_text("\n".join(lines) + "\n")
     res = subprocess.run(cmd + ["--resume"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr

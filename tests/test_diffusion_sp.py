@@ -90,3 +90,27 @@ def test_groups_form_without_communicators(cluster):
     client, _ = cluster
     with pytest.raises(AssertionError, match="new_group called after start-up"):
         client.run(lambda: __import__("torch.distributed").distributed.new_group([0]))
+
+
+def test_diffuse_on_local_cluster(pipes, cluster, tmp_path):
+    import dask.dataframe as dd
+    import pandas as pd
+
+    import batchgen
+
+    pdf = pd.DataFrame({"class_label": [1, 2, 99, 3], "num_inference_steps": [3, 4, 3, 0],
+                        "seed": [0, 1, 2, 3], "tag": list("abcd")})
+    out_dir = tmp_path / "png"
+    dit_dir = pipes["dit"]
+    ddf = dd.from_pandas(pdf, npartitions=2)
+    got = ddf.map_partitions(batchgen.diffuse, model=str(dit_dir), output_dir=str(out_dir),
+                             guidance_scale=3.0).compute()  # on the cluster fixture's default client
+    assert list(got["tag"]) == list("abcd") and list(got.index) == [0, 1, 2, 3]
+    assert got["error"].isna().tolist() == [True, True, False, False]
+    assert "class_label 99" in got["error"][2] and "num_inference_steps" in got["error"][3]
+    engine = DiffusionEngine(dit_dir)
+    for i in (0, 1):
+        png = np.asarray(__import__("PIL.Image").Image.open(got["image_path"][i]))
+        ref = engine.generate([ImageRequest(class_label=int(pdf.class_label[i]), num_inference_steps=int(pdf.num_inference_steps[i]),
+                                            seed=int(pdf.seed[i]), guidance_scale=3.0)])[0]
+        assert np.array_equal(png, np.asarray(ref))
