@@ -22,6 +22,7 @@ _EXPORTS = {
     "StateError": "batchgen.errors",
     "UnsupportedModelError": "batchgen.errors",
     "generate": "batchgen.cluster.generate",
+    "diffuse": "batchgen.diffusion.frame",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -185,6 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from batchgen.io.spec import JobSpec
 
+    if (Path(args.model) / "model_index.json").is_file():  # a diffusers pipeline: image generation
+        from batchgen.diffusion.images_batch import run_cli
+
+        return run_cli(args)
+
     spec = JobSpec(input=args.input, output=args.output, resume=args.resume,
                    overwrite=args.overwrite, defaults=sampling_defaults(args),
                    prompt_column=args.prompt_column, id_column=args.id_column,

@@ -1,0 +1,25 @@
+"""batchgen.diffusion: batch image generation with diffusion transformers (DiT, PixArt-alpha/sigma).
+
+Trajectories are coroutines whose yield points are denoising steps: explicit picklable state,
+combined into shared forwards at different timesteps, suspended and resumed anywhere.
+Needs the `batchgen[diffusion]` extra (diffusers, transformers, pillow). Names load lazily.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DiffusionEngine": "batchgen.diffusion.engine",
+    "ImageOutput": "batchgen.diffusion.engine",
+    "ImageRequest": "batchgen.diffusion.request",
+    "CostModel": "batchgen.diffusion.cost",
+    "diffuse": "batchgen.diffusion.frame",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'batchgen.diffusion' has no attribute {name!r}")

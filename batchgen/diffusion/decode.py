@@ -1,0 +1,28 @@
+"""VAE decode of finished trajectories, batched by latent shape, to PIL images."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+
+@torch.no_grad()
+def decode(pipe: Pipeline, latents: list[torch.Tensor]) -> list[np.ndarray]:
+    """latents: same-shape [C, h, w] each -> images [H, W, 3] floats in [0, 1]."""
+    z = torch.stack(latents)
+    scale = pipe.vae.config.scaling_factor
+    # DiTPipeline multiplies by 1/scale, PixArt divides: kept apart for bit-equal images.
+    z = (1 / scale * z) if pipe.family == "dit" else (z / scale)
+    images = pipe.vae.decode(z.to(pipe.vae.dtype)).sample
+    images = (images / 2 + 0.5).clamp(0, 1)
+    return list(images.cpu().permute(0, 2, 3, 1).float().numpy())
+
+
+def to_pil(image: np.ndarray) -> Any:
+    from PIL import Image
+
+    return Image.fromarray((image * 255).round().astype("uint8"))

@@ -1,0 +1,91 @@
+"""One denoising step for a group of compatible trajectories: one transformer forward.
+
+Each trajectory keeps its own timestep (a per-sample timestep tensor), its own scheduler and its
+own guidance scale; trajectories with guidance contribute a conditional and an unconditional row
+to the same forward (CFG doubles the batch, not the forwards).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .forward import predict
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+    from .sp import UlyssesShard
+    from .trajectory import Trajectory
+
+
+@dataclass(slots=True)
+class Live:
+    """A running trajectory's live objects (rebuilt from its state on resume)."""
+
+    scheduler: Any
+    generator: torch.Generator
+    stochastic: bool
+
+
+def group_inputs(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], uncond: dict[str, torch.Tensor] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """-> (x [B, C, h, w], t [B], cond) with rows: every trajectory's conditional row, then the
+    unconditional rows of those using guidance, in the same order."""
+    xs, ts = [], []
+    for traj, lv in zip(trajs, live):
+        t = lv.scheduler.timesteps[traj.step]
+        xs.append(lv.scheduler.scale_model_input(traj.latents[None], t))
+        ts.append(t)
+    guided = [i for i, traj in enumerate(trajs) if traj.uses_guidance]
+    x = torch.cat(xs + [xs[i] for i in guided])
+    t = torch.stack(ts + [ts[i] for i in guided])
+    if pipe.family == "dit":
+        labels = [traj.cond["class_label"] for traj in trajs] + [pipe.null_class] * len(guided)
+        return x, t, {"class_labels": torch.tensor(labels, device=x.device)}
+    assert uncond is not None
+    embeds = [traj.cond["embeds"] for traj in trajs] + [uncond["embeds"]] * len(guided)
+    masks = [traj.cond["mask"] for traj in trajs] + [uncond["mask"]] * len(guided)
+    cond = {"embeds": torch.stack(embeds), "mask": torch.stack(masks)}
+    if pipe.micro_conditions:
+        res = [[float(tr.height), float(tr.width)] for tr in trajs]
+        asp = [[float(tr.height / tr.width)] for tr in trajs]
+        res += [res[i] for i in guided]
+        asp += [asp[i] for i in guided]
+        cond["resolution"] = torch.tensor(res, dtype=x.dtype, device=x.device)
+        cond["aspect_ratio"] = torch.tensor(asp, dtype=x.dtype, device=x.device)
+    return x, t, cond
+
+
+def apply_output(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], out: torch.Tensor) -> None:
+    """Guidance, learned-sigma split and each trajectory's own scheduler step; latents advance."""
+    c = pipe.latent_channels
+    n = len(trajs)
+    guided = 0
+    for i, (traj, lv) in enumerate(zip(trajs, live)):
+        pred = out[i:i + 1]
+        if traj.uses_guidance:
+            uncond = out[n + guided:n + guided + 1]
+            guided += 1
+            s = traj.request.guidance_scale
+            if pipe.family == "dit":  # DiT guides the eps channels only (diffusers' DiTPipeline)
+                pred = uncond[:, :c] + s * (pred[:, :c] - uncond[:, :c])
+            else:
+                pred = uncond + s * (pred - uncond)
+        if pipe.learned_sigma:
+            pred = pred[:, :c]
+        t = lv.scheduler.timesteps[traj.step]
+        kwargs: dict[str, Any] = {"generator": lv.generator} if lv.stochastic else {}
+        result = lv.scheduler.step(pred, t, traj.latents[None], return_dict=False, **kwargs)
+        # PixArt takes the predicted original sample when only one step is asked for.
+        take = 1 if pipe.family == "pixart" and traj.num_steps == 1 and len(result) > 1 else 0
+        traj.latents = result[take][0]
+        traj.step += 1
+
+
+@torch.no_grad()
+def step_group(pipe: Pipeline, trajs: list[Trajectory], live: list[Live],
+               uncond: dict[str, torch.Tensor] | None, sp: UlyssesShard | None = None) -> None:
+    x, t, cond = group_inputs(pipe, trajs, live, uncond)
+    out = predict(pipe, x, t, cond, sp)
+    apply_output(pipe, trajs, live, out)

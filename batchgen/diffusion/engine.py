@@ -1,0 +1,279 @@
+"""DiffusionEngine: trajectories as coroutines on one device, combined step by step.
+
+    engine = DiffusionEngine("path/to/pipeline")
+    images = engine.generate([ImageRequest(prompt="a red fox", height=256, width=256, seed=1)])
+
+Each `step()` admits waiting requests (conditioning computed once, batched), asks the policy
+which trajectories run and in which groups (one forward per group, mixed timesteps), advances
+them one denoising step, and decodes the finished ones in one batched VAE call per shape.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import RequestError, StateError
+from . import schedulers
+from .condition import encode_prompts, prompt_error
+from .cost import CostModel
+from .decode import decode, to_pil
+from .denoise import Live, step_group
+from .pipeline import load_pipeline
+from .policy import TrajView, check_policy, plan_step
+from .request import ImageRequest
+from .trajectory import Status, Trajectory, from_bytes, to_bytes
+
+if TYPE_CHECKING:
+    from .sp import UlyssesShard
+
+
+@dataclass(slots=True)
+class ImageOutput:
+    """A finished request: image (PIL) or error (a message naming the field and the value)."""
+
+    index: int
+    image: Any = None
+    array: Any = None        # [H, W, 3] float32 in [0, 1], before quantisation
+    error: str | None = None
+    steps: int = 0
+
+
+class DiffusionEngine:
+    def __init__(self, model: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
+                 policy: str = "fcfs", max_batch_rows: int = 64, max_batch_tokens: int | None = None,
+                 max_sequence_length: int | None = None, cost: CostModel | None = None) -> None:
+        """Load the pipeline at `model` (ModelLoadError / UnsupportedModelError name what is wrong).
+        policy: "fcfs" | "srwf" | "deadline"; max_batch_rows / max_batch_tokens: the most rows
+        (CFG rows count twice) / image tokens in one step's forwards."""
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.pipe = load_pipeline(model, dtype=dtype, device=self.device, max_sequence_length=max_sequence_length)
+        self.model_key = str(self.pipe.path.resolve())
+        self.policy = check_policy(policy)
+        self.max_batch_rows, self.max_batch_tokens = max_batch_rows, max_batch_tokens
+        self.cost = cost or CostModel()
+        self._trajs: dict[int, Trajectory] = {}
+        self._live: dict[int, Live] = {}
+        self._meta: dict[int, tuple[float, float | None]] = {}  # tid -> (arrival, deadline)
+        self._done: list[ImageOutput] = []
+        self._next_tid = 0
+        self._uncond: dict[str, torch.Tensor] | None = None
+        self.num_forwards = 0
+        self.num_steps_taken = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def check(self, req: ImageRequest) -> str | None:
+        """What makes `req` impossible on this model, or None."""
+        err = req.basic_error()
+        if err:
+            return err
+        pipe = self.pipe
+        if pipe.family == "dit":
+            if req.prompt is not None:
+                return "this DiT pipeline is class-conditional: give class_label, not prompt"
+            n = len(pipe.id2label) if pipe.id2label else pipe.null_class
+            if not 0 <= req.class_label < n:
+                return f"class_label {req.class_label} is not one of this model's {n} classes (0..{n - 1})"
+        else:
+            if req.prompt is None:
+                return "this pipeline is text-to-image: give prompt, not class_label"
+            err = prompt_error(pipe, req.prompt)
+            if err:
+                return err
+        m = pipe.pixel_multiple
+        for name in ("height", "width"):
+            value = getattr(req, name) or pipe.native_size
+            if value % m:
+                return (f"{name} {value} is not a multiple of {m} (patch {pipe.patch_size} x VAE factor "
+                        f"{pipe.vae_scale_factor})")
+        return None
+
+    def add_request(self, req: ImageRequest, *, deadline: float | None = None, arrival: float | None = None) -> int:
+        """Queue `req`; -> its id. A bad request finishes at the next step with its error."""
+        tid = self._next_tid
+        self._next_tid += 1
+        h, w = req.height or self.pipe.native_size, req.width or self.pipe.native_size
+        traj = Trajectory(tid=tid, request=req, height=h, width=w, model_key=self.model_key)
+        err = self.check(req)
+        if err:
+            traj.error = err
+            traj.move(Status.FAILED, "rejected at admission")
+        self._trajs[tid] = traj
+        self._meta[tid] = (time.time() if arrival is None else arrival, deadline)
+        return tid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._trajs)
+
+    @property
+    def num_running(self) -> int:
+        return sum(t.status is Status.RUNNING for t in self._trajs.values())
+
+    # ---- coroutine API --------------------------------------------------------------------
+    def step(self, now: float | None = None) -> list[ImageOutput]:
+        """Admit, take one denoising step for the planned trajectories, decode the finished;
+        -> the outputs finished in this step."""
+        self._admit()
+        running = [t for t in self._trajs.values() if t.status is Status.RUNNING]
+        if running:
+            views = [self._view(t) for t in running]
+            now = time.time() if now is None else now
+            for group in plan_step(views, self.policy, now, self.cost, self.max_batch_rows, self.max_batch_tokens):
+                trajs = [self._trajs[tid] for tid in group]
+                step_group(self.pipe, trajs, [self._live[tid] for tid in group], self._uncond)
+                self.num_forwards += 1
+                self.num_steps_taken += len(trajs)
+                for t in trajs:
+                    if t.remaining_steps == 0:
+                        t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
+        self._decode_finished()
+        out, self._done = self._done, []
+        return out
+
+    def suspend(self, tid: int) -> bytes:
+        """Take a trajectory out at its step boundary -> bytes that `resume` (here or on another
+        engine of the same model) continues from, bit-identically on CPU fp32."""
+        self._admit()
+        traj = self._trajs.pop(tid)
+        self._meta.pop(tid, None)
+        live = self._live.pop(tid, None)
+        if live is not None and traj.status is Status.DENOISED:
+            traj.latents = traj.latents.cpu()
+        elif live is not None:
+            fresh = schedulers.make_scheduler(self.pipe.scheduler_class, self.pipe.scheduler_config, traj.num_steps)
+            traj.scheduler_state = schedulers.read_state(live.scheduler, fresh)
+            traj.rng_state = live.generator.get_state()
+            traj.latents = traj.latents.cpu()
+            traj.cond = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in traj.cond.items()}
+        traj.reasons.append(f"suspended at step {traj.step}")
+        return to_bytes(traj)
+
+    def resume(self, data: bytes, *, deadline: float | None = None, arrival: float | None = None) -> int:
+        """Continue a suspended trajectory here; -> its new id on this engine."""
+        traj = from_bytes(data, self.model_key)
+        length = traj.cond["embeds"].shape[0] if "embeds" in traj.cond else None
+        if length is not None and length != self.pipe.max_sequence_length:
+            raise StateError(f"trajectory's prompt is padded to {length} tokens, this engine's "
+                             f"max_sequence_length is {self.pipe.max_sequence_length}")
+        tid = self._next_tid
+        self._next_tid += 1
+        traj.tid = tid
+        if traj.status is Status.DENOISED:
+            traj.latents = traj.latents.to(self.device)
+        if traj.status is Status.RUNNING:
+            traj.latents = traj.latents.to(self.device)
+            traj.cond = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in traj.cond.items()}
+            sched = schedulers.restore(self.pipe.scheduler_class, self.pipe.scheduler_config, traj.num_steps,
+                                       traj.scheduler_state, self.device)
+            gen = torch.Generator(device="cpu")
+            gen.set_state(traj.rng_state)
+            self._live[tid] = Live(sched, gen, self.pipe.scheduler_class in schedulers.STOCHASTIC)
+            self._ensure_uncond()
+        traj.reasons.append(f"resumed at step {traj.step}")
+        self._trajs[tid] = traj
+        self._meta[tid] = (time.time() if arrival is None else arrival, deadline)
+        return tid
+
+    def trajectory(self, tid: int) -> Trajectory:
+        return self._trajs[tid]
+
+    def step_trajectory(self, tid: int, sp: UlyssesShard | None = None) -> None:
+        """One denoising step of one running trajectory, optionally sequence-parallel (every
+        member of sp's group calls this for the same trajectory state)."""
+        self._admit()
+        t = self._trajs[tid]
+        if t.status is not Status.RUNNING:
+            raise ValueError(f"trajectory {tid} is {t.status.value}, not running")
+        step_group(self.pipe, [t], [self._live[tid]], self._uncond, sp)
+        if t.remaining_steps == 0:
+            t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
+
+    # ---- whole jobs -----------------------------------------------------------------------
+    def stream(self, requests: Iterable[ImageRequest], max_in_flight: int = 256) -> Iterator[ImageOutput]:
+        """Outputs as they finish (index = position in `requests`); new requests join between steps."""
+        pending = iter(requests)
+        index_of: dict[int, int] = {}
+        exhausted = False
+        n = 0
+        while True:
+            while not exhausted and len(self._trajs) < max_in_flight:
+                req = next(pending, None)
+                if req is None:
+                    exhausted = True
+                    break
+                index_of[self.add_request(req)] = n
+                n += 1
+            if not self._trajs:
+                return
+            for out in self.step():
+                out.index = index_of.pop(out.index)
+                yield out
+
+    def generate_outputs(self, requests: Sequence[ImageRequest]) -> list[ImageOutput]:
+        outs: list[ImageOutput | None] = [None] * len(requests)
+        for out in self.stream(requests):
+            outs[out.index] = out
+        return outs  # type: ignore[return-value]
+
+    def generate(self, requests: Sequence[ImageRequest]) -> list[Any]:
+        """-> one PIL image per request, in input order; a bad request's slot holds a
+        RequestError (its message names the field and the value) and the others go on."""
+        return [o.image if o.error is None else RequestError(o.error) for o in self.generate_outputs(requests)]
+
+    # ---- internals ------------------------------------------------------------------------
+    def _view(self, t: Trajectory) -> TrajView:
+        arrival, deadline = self._meta[t.tid]
+        p = self.pipe.patch_size
+        tokens = (t.latents.shape[-2] // p) * (t.latents.shape[-1] // p)
+        return TrajView(t.tid, t.group_key, tokens, 2 if t.uses_guidance else 1, t.remaining_steps, arrival, deadline)
+
+    def _ensure_uncond(self) -> None:
+        if self.pipe.family == "pixart" and self._uncond is None:
+            self._uncond = encode_prompts(self.pipe, [""])[0]
+
+    def _admit(self) -> None:
+        waiting = [t for t in self._trajs.values() if t.status is Status.WAITING]
+        if not waiting:
+            return
+        pipe = self.pipe
+        if pipe.family == "pixart":
+            self._ensure_uncond()
+            for t, cond in zip(waiting, encode_prompts(pipe, [t.request.prompt for t in waiting])):
+                t.cond = cond
+        else:
+            for t in waiting:
+                t.cond = {"class_label": t.request.class_label}
+        for t in waiting:
+            req = t.request
+            gen = torch.Generator(device="cpu").manual_seed(req.seed)
+            sched = schedulers.make_scheduler(pipe.scheduler_class, pipe.scheduler_config, req.num_inference_steps,
+                                              self.device)
+            shape = (1, pipe.latent_channels, t.height // pipe.vae_scale_factor, t.width // pipe.vae_scale_factor)
+            latents = torch.randn(shape, generator=gen, dtype=pipe.transformer.dtype).to(self.device)
+            if pipe.family == "pixart":  # DiTPipeline does not scale its initial noise
+                latents = latents * sched.init_noise_sigma
+            t.latents = latents[0]
+            self._live[t.tid] = Live(sched, gen, pipe.scheduler_class in schedulers.STOCHASTIC)
+            t.move(Status.RUNNING, "admitted")
+
+    def _decode_finished(self) -> None:
+        for t in [t for t in self._trajs.values() if t.status is Status.FAILED]:
+            self._finish(t, ImageOutput(index=t.tid, error=t.error))
+        ready = [t for t in self._trajs.values() if t.status is Status.DENOISED]
+        by_shape: dict[tuple[int, ...], list[Trajectory]] = {}
+        for t in ready:
+            by_shape.setdefault(t.latent_shape, []).append(t)
+        for group in by_shape.values():
+            for t, image in zip(group, decode(self.pipe, [t.latents for t in group])):
+                self._finish(t, ImageOutput(index=t.tid, image=to_pil(image), array=image, steps=t.step))
+
+    def _finish(self, t: Trajectory, out: ImageOutput) -> None:
+        t.move(Status.FINISHED if out.error is None else Status.FAILED, "output ready")
+        self._trajs.pop(t.tid)
+        self._live.pop(t.tid, None)
+        self._meta.pop(t.tid, None)
+        self._done.append(out)

@@ -1,0 +1,153 @@
+"""Load a diffusers-format pipeline directory (model_index.json + one folder per component).
+
+What is ours and what is diffusers' (the `batchgen[diffusion]` extra), part by part:
+- transformer, VAE: diffusers' modules hold the weights and compute the blocks; the forward
+  around them (token sharding, per-sample timesteps, CFG halves) is ours (forward.py), because
+  sequence parallelism needs the token axis between patch embedding and unpatchify.
+- schedulers: diffusers' (dozens of numerically fussy variants; exact agreement matters more
+  than owning them); their state is read out and put back by schedulers.py.
+- T5 text encoder and tokenizer: transformers' (used once per request; nothing to gain).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelLoadError, UnsupportedModelError
+from .schedulers import check_scheduler
+
+# pipeline class -> (family, components it must have)
+PIPELINES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "DiTPipeline": ("dit", ("transformer", "vae", "scheduler")),
+    "PixArtAlphaPipeline": ("pixart", ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")),
+    "PixArtSigmaPipeline": ("pixart", ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")),
+}
+TRANSFORMERS = {"dit": "DiTTransformer2DModel", "pixart": "PixArtTransformer2DModel"}
+# PixArt's own defaults (diffusers' __call__): alpha pads prompts to 120 T5 tokens, sigma to 300.
+MAX_SEQUENCE_LENGTH = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}
+
+
+@dataclass
+class Pipeline:
+    """The loaded components plus what the runtime needs to know about their shapes."""
+
+    path: Path
+    pipeline_class: str
+    family: str                      # "dit" | "pixart"
+    transformer: Any
+    vae: Any
+    scheduler_class: str
+    scheduler_config: dict[str, Any]
+    text_encoder: Any = None
+    tokenizer: Any = None
+    id2label: dict[int, str] = field(default_factory=dict)
+    max_sequence_length: int = 0     # text pipelines: prompts are padded to this many tokens
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.transformer.config.in_channels)
+
+    @property
+    def patch_size(self) -> int:
+        return int(self.transformer.config.patch_size)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def native_size(self) -> int:
+        return int(self.transformer.config.sample_size) * self.vae_scale_factor
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.patch_size * self.vae_scale_factor
+
+    @property
+    def learned_sigma(self) -> bool:
+        return int(self.transformer.config.out_channels) // 2 == self.latent_channels
+
+    @property
+    def micro_conditions(self) -> bool:
+        # PixArt-alpha 1024px checkpoints condition on resolution and aspect ratio (diffusers'
+        # test: sample_size == 128); sigma never does.
+        return self.pipeline_class == "PixArtAlphaPipeline" and int(self.transformer.config.sample_size) == 128
+
+    @property
+    def null_class(self) -> int:
+        return int(self.transformer.config.num_embeds_ada_norm)  # DiT's unconditional label
+
+
+def read_index(path: str | os.PathLike) -> tuple[Path, dict[str, Any], str]:
+    """model_index.json -> (dir, index, pipeline class); raises ModelLoadError / UnsupportedModelError."""
+    root = Path(path)
+    index_file = root / "model_index.json"
+    if not index_file.is_file():
+        raise ModelLoadError(f"{root}: no model_index.json (not a diffusers pipeline directory)")
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{index_file}: unreadable ({exc})") from exc
+    cls = index.get("_class_name")
+    if cls not in PIPELINES:
+        raise UnsupportedModelError(f"{root}: pipeline class {cls!r} is not supported "
+                                    f"(supported: {', '.join(sorted(PIPELINES))})")
+    family, needed = PIPELINES[cls]
+    for name in needed:
+        entry = index.get(name)
+        if not entry or entry[1] is None or not (root / name).is_dir():
+            raise ModelLoadError(f"{root}: {cls} needs a {name!r} component (model_index.json entry and {name}/ folder)")
+    if index["transformer"][1] != TRANSFORMERS[family]:
+        raise UnsupportedModelError(f"{root}: transformer class {index['transformer'][1]!r} is not supported "
+                                    f"for {cls} (expected {TRANSFORMERS[family]})")
+    if index["vae"][1] != "AutoencoderKL":
+        raise UnsupportedModelError(f"{root}: VAE class {index['vae'][1]!r} is not supported (expected AutoencoderKL)")
+    return root, index, cls
+
+
+def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str = "cpu",
+                  max_sequence_length: int | None = None) -> Pipeline:
+    """Load every component; an unsupported pipeline class, transformer or scheduler fails here."""
+    root, index, cls = read_index(path)
+    family = PIPELINES[cls][0]
+    sched_file = root / "scheduler" / "scheduler_config.json"
+    try:
+        sched_config = json.loads(sched_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{sched_file}: unreadable ({exc})") from exc
+    sched_class = index["scheduler"][1]
+    check_scheduler(sched_class, sched_config, where=str(root), family=family)
+
+    import torch
+    import diffusers
+
+    torch_dtype = getattr(torch, dtype)
+    try:
+        transformer = getattr(diffusers, TRANSFORMERS[family]).from_pretrained(root / "transformer", torch_dtype=torch_dtype)
+        vae = diffusers.AutoencoderKL.from_pretrained(root / "vae", torch_dtype=torch_dtype)
+    except (OSError, ValueError, EnvironmentError) as exc:
+        raise ModelLoadError(f"{root}: cannot load transformer/vae ({exc})") from exc
+    pipe = Pipeline(path=root, pipeline_class=cls, family=family, transformer=transformer.to(device).eval(),
+                    vae=vae.to(device).eval(), scheduler_class=sched_class, scheduler_config=sched_config)
+    if family == "dit":
+        pipe.id2label = {int(k): v for k, v in (index.get("id2label") or {}).items()}
+    else:
+        _load_text(pipe, root, index, torch_dtype, device)
+        pipe.max_sequence_length = int(max_sequence_length or MAX_SEQUENCE_LENGTH[cls])
+    return pipe
+
+
+def _load_text(pipe: Pipeline, root: Path, index: dict[str, Any], torch_dtype: Any, device: str) -> None:
+    import transformers
+
+    enc_class = index["text_encoder"][1]
+    if enc_class != "T5EncoderModel":
+        raise UnsupportedModelError(f"{root}: text encoder class {enc_class!r} is not supported (expected T5EncoderModel)")
+    try:
+        pipe.text_encoder = transformers.T5EncoderModel.from_pretrained(root / "text_encoder", dtype=torch_dtype).to(device).eval()
+        pipe.tokenizer = transformers.AutoTokenizer.from_pretrained(root / "tokenizer")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{root}: cannot load text encoder/tokenizer ({exc})") from exc

@@ -1,0 +1,44 @@
+"""ImageRequest: one image to generate; bad values are reported per request, never raised in a batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class ImageRequest:
+    """prompt (text-to-image pipelines) or class_label (DiT); height/width in pixels (None: the
+    model's native size); guidance_scale > 1 turns classifier-free guidance on (as diffusers)."""
+
+    prompt: str | None = None
+    class_label: int | None = None
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int = 20
+    guidance_scale: float = 4.0
+    seed: int = 0
+
+    def basic_error(self) -> str | None:
+        """What is wrong regardless of the model, or None."""
+        if not isinstance(self.num_inference_steps, int) or isinstance(self.num_inference_steps, bool) \
+                or self.num_inference_steps <= 0:
+            return f"num_inference_steps must be a positive integer, got {self.num_inference_steps!r}"
+        if not isinstance(self.guidance_scale, (int, float)) or isinstance(self.guidance_scale, bool) \
+                or self.guidance_scale != self.guidance_scale or self.guidance_scale < 0:
+            return f"guidance_scale must be a number >= 0, got {self.guidance_scale!r}"
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            return f"seed must be an integer in [0, 2**63), got {self.seed!r}"
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                return f"{name} must be a positive integer, got {value!r}"
+        if (self.prompt is None) == (self.class_label is None):
+            return "give exactly one of prompt and class_label"
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            return f"prompt must be a string, got {type(self.prompt).__name__}"
+        if self.class_label is not None and (not isinstance(self.class_label, int) or isinstance(self.class_label, bool)):
+            return f"class_label must be an integer, got {self.class_label!r}"
+        return None
+
+    @property
+    def uses_guidance(self) -> bool:
+        return self.guidance_scale > 1.0

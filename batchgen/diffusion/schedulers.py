@@ -1,0 +1,102 @@
+"""diffusers schedulers, one instance per trajectory, with their state read out and put back.
+
+A trajectory's scheduler state is the difference between its live scheduler's attributes and a
+fresh instance after `set_timesteps(n)`: step index, DPM-Solver's history of model outputs,
+lower_order_nums, Euler's sigmas cursor, ... (whatever the class keeps) — small, picklable, and
+resumable into a fresh instance on any engine.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UnsupportedModelError
+
+# deterministic: the image depends on the initial noise only.
+DETERMINISTIC = ("DDIMScheduler", "DPMSolverMultistepScheduler", "EulerDiscreteScheduler")
+# these draw noise every step from the trajectory's own generator (its RNG state travels).
+STOCHASTIC = ("DDPMScheduler", "EulerAncestralDiscreteScheduler")
+SUPPORTED = DETERMINISTIC + STOCHASTIC
+
+
+def check_scheduler(cls: str, config: dict[str, Any], where: str, family: str | None = None) -> None:
+    """Raise UnsupportedModelError naming the scheduler (or option) we do not run."""
+    if cls not in SUPPORTED:
+        raise UnsupportedModelError(f"{where}: scheduler {cls!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    if cls == "DPMSolverMultistepScheduler" and "sde" in str(config.get("algorithm_type", "dpmsolver++")):
+        raise UnsupportedModelError(f"{where}: {cls} with algorithm_type={config['algorithm_type']!r} is not supported")
+    if cls == "DDIMScheduler" and config.get("thresholding"):
+        raise UnsupportedModelError(f"{where}: {cls} with thresholding=True is not supported")
+    if family == "dit" and cls in STOCHASTIC:
+        # DiTPipeline steps the scheduler on the doubled CFG batch, drawing noise for both halves.
+        raise UnsupportedModelError(f"{where}: DiTPipeline with the stochastic scheduler {cls!r} is not supported")
+
+
+def make_scheduler(cls: str, config: dict[str, Any], steps: int, device: str = "cpu") -> Any:
+    import diffusers
+
+    sched = getattr(diffusers, cls).from_config(config)
+    sched.set_timesteps(steps, device=device)
+    if hasattr(sched, "set_begin_index"):
+        sched.set_begin_index(0)  # as PixArt's pipeline does; DiT's leaves it None (same steps)
+    return sched
+
+
+def read_state(sched: Any, fresh: Any) -> dict[str, Any]:
+    """The attributes of `sched` that differ from `fresh` (same class, config and steps)."""
+    return {k: _detach(v) for k, v in vars(sched).items()
+            if k != "_internal_dict" and not _same(v, vars(fresh).get(k, _MISSING))}
+
+
+def restore(cls: str, config: dict[str, Any], steps: int, state: dict[str, Any], device: str = "cpu") -> Any:
+    sched = make_scheduler(cls, config, steps, device)
+    for k, v in state.items():
+        setattr(sched, k, _to(v, device))
+    return sched
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu())))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        import numpy as np
+
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype \
+                and bool(np.array_equal(a, b))
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values are kept
+        return False
+
+
+def _detach(v: Any) -> Any:
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu().clone()
+    if isinstance(v, list):
+        return [_detach(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_detach(x) for x in v)
+    return v
+
+
+def _to(v: Any, device: str) -> Any:
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return v.to(device)
+    if isinstance(v, list):
+        return [_to(x, device) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_to(x, device) for x in v)
+    return v

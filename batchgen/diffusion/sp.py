@@ -1,0 +1,94 @@
+"""Ulysses sequence parallelism over a group-free Group: image tokens sharded across the members,
+all-to-all over heads around self-attention (each member attends all tokens for H/k heads).
+
+Shapes: B batch, N tokens (member i holds n_i, torch.tensor_split order), H heads, D head dim.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .groups import Group, all_gather, all_to_all
+
+
+class UlyssesShard:
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.me = group.index()
+        self.sizes: list[int] = []
+
+    def scatter_tokens(self, hs: torch.Tensor) -> torch.Tensor:
+        """[B, N, D] (every member holds it) -> this member's [B, n_me, D]."""
+        parts = torch.tensor_split(hs, self.group.size, dim=1)
+        self.sizes = [p.shape[1] for p in parts]
+        return parts[self.me].contiguous()
+
+    def gather_tokens(self, local: torch.Tensor) -> torch.Tensor:
+        """[B, n_me, X] -> [B, N, X] on every member."""
+        shapes = [(local.shape[0], n, *local.shape[2:]) for n in self.sizes]
+        return torch.cat(all_gather(self.group, local.contiguous(), shapes), dim=1)
+
+    def heads_to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, n_me, H, D] -> [B, N, H/k, D]: send member j its head chunk, get my chunk of everyone's tokens."""
+        k = self.group.size
+        b, _, h, d = x.shape
+        if h % k:
+            raise ValueError(f"Ulysses degree {k} does not divide the {h} attention heads")
+        sends = list(x.chunk(k, dim=2))
+        recvs = all_to_all(self.group, [s.contiguous() for s in sends], [(b, n, h // k, d) for n in self.sizes])
+        return torch.cat(recvs, dim=1)
+
+    def tokens_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, N, H/k, D] -> [B, n_me, H, D] (the inverse)."""
+        b, _, hk, d = x.shape
+        sends = list(torch.split(x, self.sizes, dim=1))
+        recvs = all_to_all(self.group, [s.contiguous() for s in sends],
+                           [(b, self.sizes[self.me], hk, d)] * self.group.size)
+        return torch.cat(recvs, dim=2)
+
+    @contextlib.contextmanager
+    def attention(self, model: Any) -> Iterator[None]:
+        """Self-attention (attn1) of every block runs the Ulysses processor inside the block."""
+        saved = []
+        for block in model.transformer_blocks:
+            saved.append(block.attn1.processor)
+            block.attn1.set_processor(_UlyssesProcessor(self))
+        try:
+            yield
+        finally:
+            for block, proc in zip(model.transformer_blocks, saved):
+                block.attn1.set_processor(proc)
+
+
+class _UlyssesProcessor:
+    """diffusers' AttnProcessor2_0 for self-attention on a token shard."""
+
+    def __init__(self, shard: UlyssesShard) -> None:
+        self.shard = shard
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None,
+                 *args: Any, **kwargs: Any) -> torch.Tensor:
+        if encoder_hidden_states is not None or attention_mask is not None or attn.spatial_norm is not None \
+                or attn.group_norm is not None or hidden_states.ndim != 3:
+            raise NotImplementedError("Ulysses processor: plain self-attention on [B, N, D] only")
+        residual = hidden_states
+        b, n, _ = hidden_states.shape
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        d = k.shape[-1] // attn.heads
+        q, k, v = (t.view(b, n, attn.heads, d) for t in (q, k, v))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        q, k, v = (self.shard.heads_to_tokens(t).transpose(1, 2) for t in (q, k, v))   # [B, H/k, N, D]
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        out = self.shard.tokens_to_heads(out.transpose(1, 2)).reshape(b, n, attn.heads * d).to(q.dtype)
+        out = attn.to_out[1](attn.to_out[0](out))
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor

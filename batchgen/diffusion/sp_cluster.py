@@ -1,0 +1,54 @@
+"""Elastic sequence parallelism on Dask workers: each worker process joins one gloo world at
+start-up (`start_world`); a trajectory then runs chunks of steps on any subset of workers
+(`run_steps`, degree = len(workers)), its degree changing between chunks. The state travels as
+suspended bytes: every member resumes the same state, takes the steps on its token shard (the
+model output is all-gathered, so every member applies the same scheduler step), and the first
+member hands back the new state; the latents are re-split on the next chunk's group.
+"""
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from .groups import Group, init_world
+
+
+def start_world(client: Any) -> dict[str, int]:
+    """Join every worker into one gloo world, once; -> worker address -> world rank."""
+    workers = sorted(client.scheduler_info()["workers"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = {w: i for i, w in enumerate(workers)}
+    futures = [client.submit(init_world, ranks[w], len(workers), f"tcp://127.0.0.1:{port}", workers=[w],
+                             allow_other_workers=False, pure=False) for w in workers]
+    client.gather(futures)
+    return ranks
+
+
+def sp_steps(model: str, state: bytes, ranks: tuple[int, ...], steps: int,
+             engine_options: dict[str, Any] | None = None) -> bytes | None:
+    """A member's part of `steps` Ulysses steps of one trajectory (a Dask task)."""
+    import torch.distributed as dist
+
+    from .frame import _engine
+    from .sp import UlyssesShard
+
+    engine = _engine(model, dict(engine_options or {}))
+    tid = engine.resume(state)
+    group = Group.of(ranks)
+    shard = UlyssesShard(group) if len(ranks) > 1 else None
+    for _ in range(steps):
+        engine.step_trajectory(tid, shard)
+    data = engine.suspend(tid)
+    return data if group.index(dist.get_rank()) == 0 else None
+
+
+def run_steps(client: Any, model: str, state: bytes, workers: Sequence[str], ranks: dict[str, int],
+              steps: int, engine_options: dict[str, Any] | None = None) -> bytes:
+    """`steps` steps of the trajectory in `state` at degree len(workers) on those workers; -> new state."""
+    group = tuple(ranks[w] for w in workers)
+    futures = [client.submit(sp_steps, model, state, group, steps, engine_options, workers=[w], allow_other_workers=False,
+                             pure=False) for w in workers]
+    return client.gather(futures)[0]

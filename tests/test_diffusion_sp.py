@@ -1,0 +1,116 @@
+"""Elastic Ulysses sequence parallelism across Dask worker processes over group-free collectives."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("diffusers")
+
+import tiny_diffusion as tiny  # noqa: E402
+
+from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
+
+
+def _forbid_new_group() -> None:
+    """After start-up no process may create a communicator: new_group raises from now on."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.distributed.new_group called after start-up")
+    dist.new_group = refuse
+    c10d.new_group = refuse
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("sp")
+    # 4 heads so degree 2 splits them; 12x12 latent / patch 2 = 36 tokens (sharded 18 + 18)
+    return {"dit": tiny.build_dit(root / "dit", heads=4, sample_size=12),
+            "pixart": tiny.build_pixart(root / "pixart", heads=4, sched="dpm")}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from distributed import Client, LocalCluster
+
+    from batchgen.diffusion.sp_cluster import start_world
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c, Client(c) as client:
+        ranks = start_world(client)
+        client.run(_forbid_new_group)
+        yield client, ranks
+
+
+def _finish(engine: DiffusionEngine, state: bytes) -> np.ndarray:
+    engine.resume(state)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs[0].array
+
+
+@pytest.mark.parametrize("family", ["dit", "pixart"])
+def test_degree_1_2_and_switch_mid_trajectory_equal_degree_1(pipes, cluster, family):
+    from batchgen.diffusion.sp_cluster import run_steps
+
+    client, ranks = cluster
+    a, b = sorted(ranks)
+    path = str(pipes[family])
+    if family == "dit":
+        req, opts = ImageRequest(class_label=2, num_inference_steps=6, guidance_scale=3.0, seed=1), {}
+    else:
+        req = ImageRequest(prompt="a small boat", height=24, width=24, num_inference_steps=6, guidance_scale=3.0, seed=1)
+        opts = {"max_sequence_length": tiny.T5_MAX_LENGTH}
+    local = DiffusionEngine(path, **opts)
+    whole = local.generate_outputs([req])[0].array
+    start = local.suspend(local.add_request(req))
+
+    # k = 1 on one worker, k = 2 throughout, and 1 -> 2 -> 1 moving between workers
+    one = run_steps(client, path, start, [a], ranks, 6, opts)
+    two = run_steps(client, path, start, [a, b], ranks, 6, opts)
+    s = run_steps(client, path, start, [a], ranks, 2, opts)
+    s = run_steps(client, path, s, [a, b], ranks, 2, opts)
+    s = run_steps(client, path, s, [b], ranks, 2, opts)
+    assert np.array_equal(_finish(local, one), whole)  # degree 1 on a worker: bit-identical
+    for got in (_finish(local, two), _finish(local, s)):
+        # sharded attention sums in another order: float32 rounding only
+        assert np.abs(got - whole).max() <= 1e-5
+
+
+def test_groups_form_without_communicators(cluster):
+    """Group.of talks to nobody and a group of one member never touches the world; a forbidden
+    new_group on the workers proves none was created."""
+    from batchgen.diffusion.groups import Group
+
+    g = Group.of([1, 0])
+    assert g.ranks == (1, 0) and g.gid == Group.of((1, 0)).gid != Group.of((0, 1)).gid
+    with pytest.raises(ValueError):
+        Group.of([0, 0])
+    client, _ = cluster
+    with pytest.raises(AssertionError, match="new_group called after start-up"):
+        client.run(lambda: __import__("torch.distributed").distributed.new_group([0]))
+
+
+def test_diffuse_on_local_cluster(pipes, cluster, tmp_path):
+    import dask.dataframe as dd
+    import pandas as pd
+
+    import batchgen
+
+    pdf = pd.DataFrame({"class_label": [1, 2, 99, 3], "num_inference_steps": [3, 4, 3, 0],
+                        "seed": [0, 1, 2, 3], "tag": list("abcd")})
+    out_dir = tmp_path / "png"
+    dit_dir = pipes["dit"]
+    ddf = dd.from_pandas(pdf, npartitions=2)
+    got = ddf.map_partitions(batchgen.diffuse, model=str(dit_dir), output_dir=str(out_dir),
+                             guidance_scale=3.0).compute()  # on the cluster fixture's default client
+    assert list(got["tag"]) == list("abcd") and list(got.index) == [0, 1, 2, 3]
+    assert got["error"].isna().tolist() == [True, True, False, False]
+    assert "class_label 99" in got["error"][2] and "num_inference_steps" in got["error"][3]
+    engine = DiffusionEngine(dit_dir)
+    for i in (0, 1):
+        png = np.asarray(__import__("PIL.Image").Image.open(got["image_path"][i]))
+        ref = engine.generate([ImageRequest(class_label=int(pdf.class_label[i]), num_inference_steps=int(pdf.num_inference_steps[i]),
+                                            seed=int(pdf.seed[i]), guidance_scale=3.0)])[0]
+        assert np.array_equal(png, np.asarray(ref))
