@@ -37,7 +37,9 @@ def parse_size(text: str, name: str) -> int:
 
 @dataclass(slots=True)
 class EngineConfig:
-    dtype: str = "float32"  # or "auto": the checkpoint's own dtype
+    # "auto" (vLLM's rule, models/dtype.py): the checkpoint's dtype on CUDA, float32 on CPU;
+    # or float32 / bfloat16 / float16 everywhere
+    dtype: str = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes

@@ -40,7 +40,8 @@ Prompt = str | list[int]
 class Engine:
     def __init__(self, model: str | Path, *, dtype: str | None = None, device: str | None = None,
                  **config_overrides: Any) -> None:
-        """dtype/device None: dask.config `batchgen.dtype`/`batchgen.device`, else float32 / auto."""
+        """dtype/device None: dask.config `batchgen.dtype`/`batchgen.device`, else "auto" (the
+        checkpoint's dtype on CUDA, float32 on CPU) / cuda when available."""
         self.config = EngineConfig.from_kwargs(dtype=dtype, device=device, **config_overrides)
         if self.config.restore_heap_reuse:
             restore_heap_reuse()  # process-wide, once: see malloc.py (Dask workers run 1.34x slower without)
