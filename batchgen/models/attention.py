@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .cuda_decode import DecodeTables, use_paged_kernel
 from .layers import rms_norm
 from .rope import RotaryEmbedding
 from .spec import GQASpec
@@ -50,6 +51,7 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [T] cache slot that receives each new token's KV
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    decode_tables: DecodeTables | None = None  # CUDA: decodes for the Triton kernel, no groups
 
     @property
     def num_tokens(self) -> int:
@@ -76,9 +78,11 @@ class AttentionBatch:
         def t(x: object) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        groups = [_decode_group(g, block_size, device) for g in _by_length(decodes)]
+        tables = DecodeTables.build(decodes, block_size, device) if decodes and use_paged_kernel(device) else None
+        groups = [] if tables is not None else [_decode_group(g, block_size, device) for g in _by_length(decodes)]
         return AttentionBatch(positions=t(positions), slot_mapping=t(slots), decode_groups=groups,
-                              prefills=[PrefillChunk(s, n, t(c), t(p)) for s, n, c, p in prefills])
+                              prefills=[PrefillChunk(s, n, t(c), t(p)) for s, n, c, p in prefills],
+                              decode_tables=tables)
 
 
 # A decode group closes when the next context is this much longer than its shortest one, once it
@@ -137,16 +141,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
 
 # (q [Sg, Hq, Dk], gathered cache rows [Sg, L, W], allowed [Sg, 1, L]) -> [Sg, Hq, v_dim]
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q [Sd, Hq, Dk], the whole cache [slots, W], tables) -> [Sd, Hq, v_dim]: the paged kernel
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, DecodeTables], torch.Tensor]
 
 
 def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor, expand: KVExpander,
                     scale: float, window: int | None, v_dim: int,
-                    decode: DecodeAttention | None = None) -> torch.Tensor:
+                    decode: DecodeAttention | None = None, paged: PagedDecode | None = None) -> torch.Tensor:
     """q: [T, Hq, Dk]; cache: [slots, W] already holding this batch's new KV -> [T, Hq, v_dim].
 
     decode: attends the decoding groups straight from the cached rows instead of expanding them
-    to K and V (MLA's absorbed form); prefill chunks always expand."""
+    to K and V (MLA's absorbed form); prefill chunks always expand. paged: the kernel for
+    `batch.decode_tables` (set on CUDA), reading the cache in place."""
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+    if batch.decode_tables is not None:
+        assert paged is not None, "a batch built for the paged kernel needs one"
+        out[batch.decode_tables.rows] = paged(q[batch.decode_tables.rows], cache, batch.decode_tables)
     for group in batch.decode_groups:
         rows = cache[group.gather]  # [Sg, L, W]
         allowed = _allowed(group.positions.unsqueeze(-1), rows.shape[1], window)
@@ -183,5 +193,11 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
         kk, vv = rows.split(hk * d, dim=-1)
         return kk.unflatten(-1, (hk, d)), vv.unflatten(-1, (hk, d))
 
-    out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d)
+    def paged(q_rows: torch.Tensor, kv: torch.Tensor, t: DecodeTables) -> torch.Tensor:
+        from batchgen_kernels import paged_attention_gqa
+
+        return paged_attention_gqa(q_rows, kv, t.block_tables, t.context_lens, t.block_size, hk, d ** -0.5,
+                                   a.sliding_window)
+
+    out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d, paged=paged)
     return F.linear(out.reshape(T, hq * d), w.o, w.o_bias)
