@@ -76,6 +76,9 @@ class EngineConfig:
     # memory-constrained GPUs): the decode batch is bounded by host memory, not device memory,
     # and the device keeps the expert GEMMs. On a CPU device that is the ordinary path.
     kv_cache_on_host: bool = False
+    # CUDA: decode steps replay CUDA graphs captured per batch-size bucket (runtime/cuda_graphs.py);
+    # True runs every step eagerly (vLLM's flag). No effect on CPU.
+    enforce_eager: bool = False
     # Where MALLOC_TRIM_THRESHOLD_ is set (Dask workers), raise glibc's mmap/trim thresholds for
     # this process so activations reuse heap blocks instead of faulting in fresh pages (malloc.py).
     restore_heap_reuse: bool = True

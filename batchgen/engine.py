@@ -61,7 +61,9 @@ class Engine:
                                                    self.config.eviction), self.allocator)  # type: ignore[arg-type]
         self.stats = RuntimeStats()
         kv_device = self.model.attention_on_host() if self.config.kv_cache_on_host else None
-        self.executor = Executor(self.model, num_blocks, bs, self.stats, self.config.attention_kv_tokens, kv_device)
+        graphs = None if self.config.enforce_eager else (self.max_model_len, self.config.max_num_seqs)
+        self.executor = Executor(self.model, num_blocks, bs, self.stats, self.config.attention_kv_tokens, kv_device,
+                                 graphs)
         self.codec = CoroutineCodec(self.model, self.config.kv_link_bytes_per_s)
         self._seqs: dict[SeqId, Sequence] = {}
         self._ids = itertools.count()
