@@ -51,7 +51,12 @@ def generate(pdf: pd.DataFrame, *, model: str | Path, prompt_column: str = "prom
     per_row = dict(per_row or {})
     check_columns(pdf, prompt_column, per_row)
     spec = EngineSpec.make(model, _with_expert_budgets(engine_options, expert_memory, expert_host_memory))
-    if len(pdf) == 0 or is_meta_call():
+    if is_meta_call():
+        from .prestart import prestart
+
+        prestart(spec)  # graph construction on the client: workers start the engine now
+        return placeholder_output(pdf)
+    if len(pdf) == 0:
         return placeholder_output(pdf)
 
     requests = read_requests(pdf, prompt_column, per_row, base)
