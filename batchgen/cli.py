@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="float32", help="compute dtype (default: float32)")
+    g.add_argument("--dtype", help="compute dtype: auto (the checkpoint's on CUDA, float32 on CPU; the default), "
+                                  "float32, bfloat16, float16")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     g.add_argument("--chunk-size", type=_positive, default=1024, metavar="N",
                    help="rows in the engine at once, topped up as rows finish; bounds memory. Rows beyond the "

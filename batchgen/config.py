@@ -37,7 +37,9 @@ def parse_size(text: str, name: str) -> int:
 
 @dataclass(slots=True)
 class EngineConfig:
-    dtype: str = "float32"  # or "auto": the checkpoint's own dtype
+    # "auto" (vLLM's rule, models/dtype.py): the checkpoint's dtype on CUDA, float32 on CPU;
+    # or float32 / bfloat16 / float16 everywhere
+    dtype: str = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
@@ -80,6 +82,9 @@ class EngineConfig:
     # With prefix caching: "prefix" admits waiting rows grouped by shared prefix (epochs sorted by
     # block hashes, runtime/prefix_order.py); "fifo" admits them in arrival order.
     admission_order: str = "prefix"
+    # CUDA: decode steps replay CUDA graphs captured per batch-size bucket (runtime/cuda_graphs.py);
+    # True runs every step eagerly (vLLM's flag). No effect on CPU.
+    enforce_eager: bool = False
     # Where MALLOC_TRIM_THRESHOLD_ is set (Dask workers), raise glibc's mmap/trim thresholds for
     # this process so activations reuse heap blocks instead of faulting in fresh pages (malloc.py).
     restore_heap_reuse: bool = True

@@ -42,7 +42,8 @@ Prompt = str | list[int]
 class Engine:
     def __init__(self, model: str | Path, *, dtype: str | None = None, device: str | None = None,
                  **config_overrides: Any) -> None:
-        """dtype/device None: dask.config `batchgen.dtype`/`batchgen.device`, else float32 / auto."""
+        """dtype/device None: dask.config `batchgen.dtype`/`batchgen.device`, else "auto" (the
+        checkpoint's dtype on CUDA, float32 on CPU) / cuda when available."""
         self.config = EngineConfig.from_kwargs(dtype=dtype, device=device, **config_overrides)
         if self.config.restore_heap_reuse:
             restore_heap_reuse()  # process-wide, once: see malloc.py (Dask workers run 1.34x slower without)
@@ -67,7 +68,9 @@ class Engine:
                                    self.allocator, self.prefix_cache)
         self.stats = RuntimeStats()
         kv_device = self.model.attention_on_host() if self.config.kv_cache_on_host else None
-        self.executor = Executor(self.model, num_blocks, bs, self.stats, self.config.attention_kv_tokens, kv_device)
+        graphs = None if self.config.enforce_eager else (self.max_model_len, self.config.max_num_seqs)
+        self.executor = Executor(self.model, num_blocks, bs, self.stats, self.config.attention_kv_tokens, kv_device,
+                                 graphs)
         self.codec = CoroutineCodec(self.model, self.config.kv_link_bytes_per_s)
         self._seqs: dict[SeqId, Sequence] = {}
         self._ids = itertools.count()

@@ -104,13 +104,67 @@ def balanced_seconds(client: Client, pdf: pd.DataFrame, model: str, options: dic
                               for w, share in zip(names, shares)]))
 
 
-def run_batchgen(client: Client, ddf: dd.DataFrame, model: str, options: dict[str, Any]) -> float:
+def run_batchgen(client: Client, ddf: dd.DataFrame, model: str, options: dict[str, Any],
+                 costs: list[dict[str, float]] | None = None, prestart: bool = True) -> float:
+    """-> completion seconds, from building the graph (map_partitions) to the result. costs: gets
+    this run's fixed costs (see fixed_costs). prestart=False passes meta= so Dask makes no meta
+    call, and the engines start only when tasks arrive (the code before prestart.py)."""
     t0 = time.perf_counter()
-    out = ddf.map_partitions(bc.generate, model=model, per_row={"max_tokens": "max_tokens"}, engine_options=options,
-                             temperature=0.0, ignore_eos=True).compute()
+    wall0 = time.time()
+    meta = {} if prestart else {"meta": bc.generate(ddf._meta, model=model, engine_options=options)}
+    lazy = ddf.map_partitions(bc.generate, model=model, per_row={"max_tokens": "max_tokens"}, engine_options=options,
+                              temperature=0.0, ignore_eos=True, **meta)
+    compute_at = time.time()
+    out = lazy.compute()
     seconds = time.perf_counter() - t0
+    result_at = time.time()
     assert (out["num_generated_tokens"] == out["max_tokens"]).all(), "a row came back short"
+    if costs is not None:
+        costs.append(fixed_costs(client, wall0, compute_at, result_at))
     return seconds
+
+
+def fixed_costs(client: Client, built_at: float, compute_at: float, result_at: float) -> dict[str, float]:
+    """A job's fixed costs from the workers' timelines (batchgen.cluster.metrics), in seconds:
+    first_token_max (compute() to the first token, on the slowest worker), task_start_max
+    (compute() to a worker's first task), engine_load_max (engine loading inside the job),
+    result_after_last_token (the last token on any worker to the result in the client)."""
+    time.sleep(0.5)  # two load pushes: the workers' last timelines reach the plugin
+    workers = bc.metrics(client)["workers"].values()
+    lines = [w["timeline"] for w in workers if w.get("timeline") and w["timeline"]["period"]]
+    periods = [t["period"] for t in lines if t["period"]["started"] >= built_at]
+    if not periods:
+        return {}
+    loads = [p["engine_ready"] - p["engine_loading"] for p in periods if p["engine_ready"] and p["engine_loading"]]
+    return {"first_token_max": max(p["first_token"] - compute_at for p in periods if p["first_token"]),
+            "task_start_max": max(p["started"] - compute_at for p in periods),
+            "engine_load_max": max(loads, default=0.0),
+            "result_after_last_token": result_at - max(t["last_token"] for t in lines if t["last_token"])}
+
+
+def cold_runs(client: Client, ddf: dd.DataFrame, model: str, options: dict[str, Any], repeat: int
+              ) -> dict[str, dict[str, float]]:
+    """Fixed costs with engines stopped before each run (`release`), with and without starting
+    them at graph construction (prestart.py), alternated; the best of each kept."""
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(repeat):
+        for name, pre in (("cold, engines started at compute (tasks)", False), ("cold, prestarted at map_partitions", True)):
+            bc.release(client)
+            costs: list[dict[str, float]] = []
+            seconds = run_batchgen(client, ddf, model, options, costs, prestart=pre)
+            run = {**costs[0], "seconds": seconds} if costs else {"seconds": seconds}
+            if name not in best or run["seconds"] < best[name]["seconds"]:
+                best[name] = run
+    return best
+
+
+def print_costs(name: str, c: dict[str, float]) -> None:
+    if not c:
+        print(f"  {name:44} (no timeline)")
+        return
+    print(f"  {name:44} first token {c['first_token_max']:5.2f}s  task start {c['task_start_max']:5.2f}s  "
+          f"engine load {c['engine_load_max']:5.2f}s  result after last token {c['result_after_last_token']:5.2f}s"
+          + (f"  (job {c['seconds']:.1f}s)" if "seconds" in c else ""))
 
 
 def warm_up(client: Client, model: str, options: dict[str, Any], vocab: int) -> None:
@@ -133,6 +187,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2, help="static / batchgen runs, alternated; best kept")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-cold", action="store_true", help="skip the fixed-cost runs with engines stopped first")
     args = ap.parse_args()
 
     from batchgen.demo import PAD_ID, build_demo_model, tokenizer_vocab_size
@@ -155,6 +210,7 @@ def main() -> None:
         first = sorted(client.scheduler_info()["workers"])[0]
         seconds["single"] = client.submit(single_engine_seconds, pdf, model, options, workers=[first]).result()
         moved: dict[str, Any] = {}
+        warm_costs: dict[str, float] = {}
         for _ in range(args.repeat):  # alternate, keep the best of each: the machine's load drifts
             seconds["balanced"] = min(seconds.get("balanced", float("inf")),
                                       balanced_seconds(client, pdf, model, options))
@@ -163,8 +219,12 @@ def main() -> None:
             seconds["static"] = min(seconds.get("static", float("inf")), run_batchgen(client, ddf, model, options))
             bc.connect(client=client, balance=BalanceConfig())  # re-registers: split and migration on
             warm_up(client, model, options, vocab)
-            seconds["batchgen"] = min(seconds.get("batchgen", float("inf")), run_batchgen(client, ddf, model, options))
+            run_costs: list[dict[str, float]] = []
+            t = run_batchgen(client, ddf, model, options, run_costs)
+            if t < seconds.get("batchgen", float("inf")):
+                seconds["batchgen"], warm_costs = t, (run_costs[0] if run_costs else {})
             moved = bc.metrics(client)
+        cold = cold_runs(client, ddf, model, options, args.repeat) if not args.skip_cold else {}
         bc.disconnect(client)
 
         if not args.skip_hf:
@@ -186,6 +246,10 @@ def main() -> None:
         print(f"  hf       / batchgen  (transformers, chunks of {args.chunk})  {seconds['hf'] / b:6.2f}")
     print(f"  migrated coroutines (last batchgen run): {moved.get('migrations', 0)}, "
           f"by reason {moved.get('by_reason', {})}")
+    print("fixed costs of a job (seconds from compute(); the slowest worker):")
+    print_costs("warm (engines loaded, best batchgen run)", warm_costs)
+    for name, c in cold.items():
+        print_costs(name, c)
     print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f", ideal {ideal:.1f}")
 
 

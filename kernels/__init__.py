@@ -1,7 +1,7 @@
-"""batchgen_kernels: fused Mixture-of-Experts kernels (Triton on CUDA) and their plain-torch
-references, and the grouped-GEMM CPU path (grouped_moe.py).
+"""batchgen_kernels: fused Mixture-of-Experts and paged decode attention kernels (Triton on
+CUDA) and their plain-torch references, and the grouped-GEMM CPU MoE path (grouped_moe.py).
 
-Importing this package never imports triton; `fused_moe` does on first call and raises
+Importing this package never imports triton; `fused_moe` and the paged-attention launchers do on first call and raises
 `TritonUnavailableError` (an ImportError) when it is missing.
 """
 from __future__ import annotations
@@ -10,6 +10,8 @@ from .config import get_config
 from .errors import KernelError, KernelInputError, TritonUnavailableError
 from .fused_moe import fused_moe, moe_align_triton, triton_available
 from .grouped_moe import fused_moe_grouped, fused_moe_grouped_into, grouped_mm_supported
+from .paged_attention import paged_attention_gqa, paged_attention_mla
+from .paged_attention_reference import paged_attention_gqa_reference, paged_attention_mla_reference
 from .reference import fused_moe_reference, fused_moe_reference_into, moe_align, moe_align_sizes
 
 __all__ = [
@@ -26,5 +28,9 @@ __all__ = [
     "moe_align",
     "moe_align_sizes",
     "moe_align_triton",
+    "paged_attention_gqa",
+    "paged_attention_gqa_reference",
+    "paged_attention_mla",
+    "paged_attention_mla_reference",
     "triton_available",
 ]

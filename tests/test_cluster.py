@@ -161,6 +161,33 @@ def engines_loaded(client: Client) -> list[int]:
     return list(client.run(lambda dask_worker: len(dask_worker.extensions[EXTENSION].host.loads())).values())
 
 
+def test_graph_construction_prestarts_engines_and_jobs_report_their_fixed_costs(client: Client, ckpt: Path,
+                                                                                   reference: Any) -> None:
+    """map_partitions' meta call starts the engine on every worker before compute(); each
+    worker's timeline (in metrics) then shows the job's task start, first and last token."""
+    client.wait_for_workers(2, timeout=60)
+    bc.release(client)
+    assert engines_loaded(client) == [0, 0]
+    pdf = rows(6, lambda i: 3 + i)
+    lazy = dd.from_pandas(pdf, npartitions=2).map_partitions(bc.generate, model=ckpt, per_row={"max_tokens": "max_tokens"},
+                                                              engine_options=OPTIONS, **GREEDY)
+    deadline = time.monotonic() + 60
+    while engines_loaded(client) != [1, 1] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engines_loaded(client) == [1, 1], "no engine started before compute()"
+    before = time.time()
+    assert lazy.compute()["generated_text"].tolist() == reference(pdf)
+    time.sleep(0.4)  # the next load pushes carry the final timelines
+    periods = [m["timeline"]["period"] for m in worker_metrics(client).values()]
+    mine = [p for p in periods if p is not None and p["started"] >= before]
+    assert mine, periods
+    for p in mine:
+        assert p["tasks"] >= 1 and p["ended"] is not None and p["engine_loading"] is None  # loaded ahead
+        if p["tokens"]:
+            assert p["started"] <= p["first_token"] <= p["last_token"]
+    assert sum(p["tokens"] for p in mine) <= int(pdf["max_tokens"].sum())
+
+
 def test_release_stops_idle_engines_and_keeps_the_plugin(client: Client, ckpt: Path, reference: Any) -> None:
     client.wait_for_workers(2, timeout=60)
     client.gather([submit(client, rows(1, lambda i: 1), ckpt, w) for w in workers(client)])

@@ -11,16 +11,17 @@ from typing import TypeVar
 from ..errors import BatchgenError
 from .runner import Done, EngineRunner, RowRef, RunnerLoad
 from .spec import EngineSpec
+from .timeline import Timeline
 
 T = TypeVar("T")
 Failed = Callable[[EngineSpec, BaseException, list[RowRef]], None]
 
 
 class EngineSet:
-    def __init__(self, on_done: Done, on_fail: Failed) -> None:
+    def __init__(self, on_done: Done, on_fail: Failed, timeline: Timeline | None = None) -> None:
         """on_done(rows) gets every engine's finished rows; on_fail(spec, exc, rows) the rows of
-        an engine that could not load or crashed."""
-        self._on_done, self._on_fail = on_done, on_fail
+        an engine that could not load or crashed; timeline: engine loads and tokens."""
+        self._on_done, self._on_fail, self._timeline = on_done, on_fail, timeline
         self._runners: dict[EngineSpec, EngineRunner] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -33,7 +34,8 @@ class EngineSet:
             if runner is None or runner.failure is not None or runner.is_closed:
                 if self._closed:
                     raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
-                runner = EngineRunner(spec, self._on_done, lambda exc, refs, s=spec: self._on_fail(s, exc, refs))
+                runner = EngineRunner(spec, self._on_done, lambda exc, refs, s=spec: self._on_fail(s, exc, refs),
+                                      self._timeline)
                 self._runners[spec] = runner
             return runner
 

@@ -72,7 +72,12 @@ def generate(pdf: pd.DataFrame, *, model: str | Path | Mapping[str, str | Path],
         requests = read_requests(pdf, prompt_column, per_row, base)
         return output_frame(pdf, run_by_model(pdf, model, model_column, requests, options))  # type: ignore[arg-type]
     spec = EngineSpec.make(model, options)  # type: ignore[arg-type]
-    if len(pdf) == 0 or is_meta_call():
+    if is_meta_call():
+        from .prestart import prestart
+
+        prestart(spec)  # graph construction on the client: workers start the engine now
+        return placeholder_output(pdf)
+    if len(pdf) == 0:
         return placeholder_output(pdf)
 
     requests = read_requests(pdf, prompt_column, per_row, base)

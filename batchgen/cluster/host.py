@@ -39,6 +39,7 @@ from .engines import EngineSet
 from .job import PartitionJob
 from .runner import EngineRunner, Request, RowRef, RunnerLoad
 from .spec import EngineSpec
+from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class Host:
     def __init__(self, transport: Transport | None = None) -> None:
         self.transport = transport
         self.counters = HostCounters()
-        self.engines = EngineSet(self._on_done, self._on_fail)
+        self.timeline = Timeline()  # a job's fixed costs here: task start, engine load, first/last token
+        self.engines = EngineSet(self._on_done, self._on_fail, self.timeline)
         self._jobs: dict[str, PartitionJob] = {}
         self._lock = threading.RLock()
         self._closed = False
@@ -92,6 +94,16 @@ class Host:
     def runner(self, spec: EngineSpec) -> EngineRunner:
         """The engine for `spec`, started on first use (a closed host only serves running jobs)."""
         return self.engines.get(spec)
+
+    def prestart(self, spec: EngineSpec) -> None:
+        """Start `spec`'s engine now, ahead of its tasks (prestart.py); nothing once closed."""
+        with self._lock:
+            if self._closed:
+                return
+        try:
+            self.engines.get(spec)
+        except BatchgenError:  # closed meanwhile
+            pass
 
     def loads(self) -> dict[str, RunnerLoad]:
         return self.engines.loads()
@@ -113,6 +125,7 @@ class Host:
                 raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
             self._jobs[job.job_id] = job
             self.peak_jobs = max(self.peak_jobs, len(self._jobs))
+        self.timeline.task_opened()
         batch: list[Request] = [(RowRef(job.job_id, i), p, sp) for i, (p, sp) in enumerate(requests)]
         fut = self.engines.call(spec, lambda runner: runner.submit(batch))
         fut.add_done_callback(lambda f: job.fail(f.exception()) if f.exception() is not None else None)
@@ -121,8 +134,10 @@ class Host:
     def close_job(self, job: PartitionJob) -> None:
         """Forget the job; any of its coroutines still here (duplicates, a failed job) are dropped."""
         with self._lock:
-            self._jobs.pop(job.job_id, None)
+            known = self._jobs.pop(job.job_id, None) is not None
             last = self._closed and not self._jobs
+        if known:
+            self.timeline.task_closed()
         runner = self.engines.peek(job.spec)
         if runner is not None:
             runner.cancel(lambda ref: ref.is_local and ref.job_id == job.job_id)
@@ -399,7 +414,8 @@ class Host:
         with self._lock:
             counters = dataclasses.asdict(self.counters)
             jobs = len(self._jobs)
-        return {"engines": engines, "counters": counters, "jobs": jobs, "peak_jobs": self.peak_jobs}
+        return {"engines": engines, "counters": counters, "jobs": jobs, "peak_jobs": self.peak_jobs,
+                "timeline": self.timeline.as_dict()}
 
     def close(self) -> None:
         """Detach: take no new jobs or coroutines; hand foreign coroutines back to their owners

@@ -133,6 +133,7 @@ class BalancePlugin(SchedulerPlugin):
                 "jobs": view.report.get("jobs", 0),
                 "peak_jobs": view.report.get("peak_jobs", 0),
                 "age_s": time.monotonic() - view.received,
+                "timeline": view.report.get("timeline"),  # wall-clock times of the last busy period
                 **counters,
             }
         totals["tokens_per_s"] = sum(w["tokens_per_s"] for w in workers.values())

@@ -28,6 +28,7 @@ from .speed import SpeedMeter
 if TYPE_CHECKING:
     from ..engine import Engine
     from ..runtime.sequence import SeqId
+    from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,8 +70,10 @@ class EngineRunner:
     the rows that were in the engine when it could not load or crashed."""
 
     def __init__(self, spec: EngineSpec, on_done: Done,
-                 on_fail: Callable[[BaseException, list[RowRef]], None]) -> None:
+                 on_fail: Callable[[BaseException, list[RowRef]], None], timeline: Timeline | None = None) -> None:
+        """timeline: told when the engine loads and how many tokens each step generated."""
         self.spec = spec
+        self._timeline = timeline
         self._on_done, self._on_fail = on_done, on_fail
         self._inbox: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = queue.SimpleQueue()
         self._tickets: dict[SeqId, RowRef] = {}
@@ -146,21 +149,28 @@ class EngineRunner:
 
     # -- loop thread ------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._timeline is not None:
+            self._timeline.engine_loading()
         try:
             engine = self.spec.build()
         except BaseException as exc:  # noqa: BLE001 - a model that cannot load fails its jobs
             self._fail(exc)
             return
+        if self._timeline is not None:
+            self._timeline.engine_loaded()
         try:
             self._snapshot(engine, force=True)
             while not self._closed.is_set():
                 self._drain(engine, block=not engine.has_unfinished())
                 if engine.has_unfinished():
+                    before = engine.stats.generated_tokens
                     try:
                         finished = engine.step()
                     except BaseException as exc:  # noqa: BLE001
                         self._fail(exc)
                         return
+                    if self._timeline is not None:
+                        self._timeline.tokens(engine.stats.generated_tokens - before)
                     self._finish(engine, finished)
                 self._snapshot(engine)
             self._refuse_pending(RuntimeError("engine runner is closed"))

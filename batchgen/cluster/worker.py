@@ -201,7 +201,10 @@ class BatchgenWorkerPlugin(WorkerPlugin):
     name: str = WORKER_PLUGIN
 
     async def setup(self, worker: Worker) -> None:
+        from .prestart import warm_imports
+
         ensure_side(worker).start_pushing(self.push_interval)
+        warm_imports()  # torch imported before the first task needs it
 
     async def teardown(self, worker: Worker) -> None:
         side = worker.extensions.get(EXTENSION)

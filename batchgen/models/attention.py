@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .cuda_decode import DecodeTables, use_paged_kernel
 from .layers import rms_norm
 from .rope import RotaryEmbedding
 from .spec import GQASpec
@@ -65,6 +66,7 @@ class AttentionBatch:
     prefills: list[PrefillChunk]
     block_size: int
     rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by id(rotary)
+    decode_tables: DecodeTables | None = None  # CUDA: decodes for the Triton kernel, no groups
 
     def rope_tables(self, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of this batch's positions, looked up once per forward, not per layer."""
@@ -99,9 +101,10 @@ class AttentionBatch:
                 table = t(list(blocks[:-(-end // block_size)]))
                 prefills.append(PrefillChunk(start, new, table, end, t(list(range(computed, end)))))
 
-        groups = [_decode_group(g, block_size, device) for g in _by_length(decodes)]
+        tables = DecodeTables.build(decodes, block_size, device) if decodes and use_paged_kernel(device) else None
+        groups = [] if tables is not None else [_decode_group(g, block_size, device) for g in _by_length(decodes)]
         return AttentionBatch(positions=t(positions), slot_mapping=t(slots), decode_groups=groups,
-                              prefills=prefills, block_size=block_size)
+                              prefills=prefills, block_size=block_size, decode_tables=tables)
 
 
 # A decode group closes when the next context is this much longer than its shortest one, once it
@@ -165,17 +168,23 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
 
 # (q [Sg, Hq, Dk], cache rows of their blocks [Sg, L, W], allowed [Sg, 1, L]) -> [Sg, Hq, v_dim]
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q [Sd, Hq, Dk], the whole cache [slots, W], tables) -> [Sd, Hq, v_dim]: the paged kernel
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, DecodeTables], torch.Tensor]
 
 
 def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor, expand: KVExpander,
                     scale: float, window: int | None, v_dim: int,
-                    decode: DecodeAttention | None = None) -> torch.Tensor:
+                    decode: DecodeAttention | None = None, paged: PagedDecode | None = None) -> torch.Tensor:
     """q: [T, Hq, Dk]; cache: [slots, W] already holding this batch's new KV -> [T, Hq, v_dim].
 
     decode: attends the decoding groups straight from the cached rows instead of expanding them
-    to K and V (MLA's absorbed form); prefill chunks always expand."""
+    to K and V (MLA's absorbed form); prefill chunks always expand. paged: the kernel for
+    `batch.decode_tables` (set on CUDA), reading the cache in place."""
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
     bs = batch.block_size
+    if batch.decode_tables is not None:
+        assert paged is not None, "a batch built for the paged kernel needs one"
+        out[batch.decode_tables.rows] = paged(q[batch.decode_tables.rows], cache, batch.decode_tables)
     for group in batch.decode_groups:
         rows = read_blocks(cache, group.block_table, bs)  # [Sg, L, W], L a whole number of blocks
         allowed = group.mask(window, rows.shape[1])
@@ -218,5 +227,11 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
         kk, vv = rows.split(hk * d, dim=-1)
         return kk.unflatten(-1, (hk, d)), vv.unflatten(-1, (hk, d))
 
-    out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d)
+    def paged(q_rows: torch.Tensor, kv: torch.Tensor, t: DecodeTables) -> torch.Tensor:
+        from batchgen_kernels import paged_attention_gqa
+
+        return paged_attention_gqa(q_rows, kv, t.block_tables, t.context_lens, t.block_size, hk, d ** -0.5,
+                                   a.sliding_window)
+
+    out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d, paged=paged)
     return F.linear(out.reshape(T, hq * d), w.o, w.o_bias)

@@ -14,14 +14,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..errors import ModelLoadError, UnsupportedModelError
+from ..errors import ModelLoadError
 from .families import parse_config
 from .spec import GQASpec, MLASpec, MoESpec, ModelSpec
 from .weights import GQAWeights, LayerWeights, MLAWeights, MLPWeights, ModelWeights, MoEWeights
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
 
 def read_config(model_dir: Path) -> dict[str, Any]:
     if not model_dir.is_dir():
@@ -36,16 +32,6 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{path} must hold a JSON object")
     return cfg
-
-
-def resolve_dtype(dtype: str | torch.dtype, cfg: dict[str, Any]) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if dtype not in DTYPES:
-        raise UnsupportedModelError(f"dtype {dtype!r} is not supported (choose from {sorted(DTYPES)} or 'auto')")
-    return DTYPES[dtype]
 
 
 class _TensorSource:

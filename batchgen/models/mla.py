@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionBatch, paged_attention
+from .cuda_decode import DecodeTables
 from .layers import rms_norm
 from .rope import RotaryEmbedding
 from .spec import MLASpec
@@ -65,5 +66,14 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbe
         o_latent = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=a.softmax_scale)
         return torch.einsum("shr,hvr->shv", o_latent.squeeze(2), w_uv)
 
-    out = paged_attention(q, batch, cache, expand, a.softmax_scale, None, a.v_head_dim, decode)
+    def paged(q_rows: torch.Tensor, kv: torch.Tensor, t: DecodeTables) -> torch.Tensor:
+        """The same absorbed form, the latent read in place by the Triton kernel."""
+        from batchgen_kernels import paged_attention_mla
+
+        q_latent = torch.einsum("shn,hnr->shr", q_rows[..., :nope], w_uk)
+        query = torch.cat([q_latent, q_rows[..., nope:]], dim=-1)  # [Sd, Hq, r + rope]
+        o_latent = paged_attention_mla(query, kv, t.block_tables, t.context_lens, t.block_size, r, a.softmax_scale)
+        return torch.einsum("shr,hvr->shv", o_latent, w_uv)
+
+    out = paged_attention(q, batch, cache, expand, a.softmax_scale, None, a.v_head_dim, decode, paged)
     return F.linear(out.reshape(T, h * a.v_head_dim), w.o, w.o_bias)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from ..errors import ModelLoadError
 from .attention import AttentionBatch, gqa_attention
 from .layers import mlp, rms_norm
-from .loader import load_spec, load_weights, resolve_dtype, to_device
+from .dtype import resolve_dtype
+from .loader import load_spec, load_weights, to_device
 from .mla import mla_attention
 from ..offload import ExpertStore, HostExperts, StoreOptions, build_store, expert_tier_plan
 from .moe import moe, route
@@ -51,7 +52,7 @@ class Model:
         return host
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
+    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "auto",
              device: str | torch.device | None = None, expert_memory_bytes: int | None = None,
              expert_host_memory_bytes: int | None = None, expert_options: StoreOptions | None = None) -> "Model":
         """expert_memory_bytes / expert_host_memory_bytes: device and host bytes for routed
@@ -59,8 +60,8 @@ class Model:
         disk) and streams through the store (batchgen/offload)."""
         path = Path(model_dir).expanduser()
         cfg, spec = load_spec(path)
-        torch_dtype = resolve_dtype(dtype, cfg)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch_dtype = resolve_dtype(dtype, cfg, dev)
         moe_specs = {i: ls.ffn for i, ls in enumerate(spec.layers) if isinstance(ls.ffn, MoESpec)}
         num_experts = {i: f.router.num_experts for i, f in moe_specs.items()}
         widths = {f.intermediate_size for f in moe_specs.values()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..models.attention import AttentionBatch
+from ..models.cuda_decode import use_paged_kernel
 from ..models.model import Model
 from .policy import Plan, ScheduledSeq, split_micro_batches
 from .stats import RuntimeStats
@@ -16,17 +17,32 @@ from .stats import RuntimeStats
 
 class Executor:
     def __init__(self, model: Model, num_blocks: int, block_size: int, stats: RuntimeStats,
-                 attention_kv_tokens: int | None = None, kv_device: torch.device | None = None) -> None:
-        """kv_device: where the KV pool lives (and so where attention runs); default the model's."""
+                 attention_kv_tokens: int | None = None, kv_device: torch.device | None = None,
+                 graphs: tuple[int, int] | None = None) -> None:
+        """kv_device: where the KV pool lives (and so where attention runs); default the model's.
+        graphs: (max_model_len, max_num_seqs) to replay decode steps from CUDA graphs where the
+        device allows it (CUDA, KV pool on it, experts resident, triton); None: always eager."""
         self.model, self.block_size, self.stats = model, block_size, stats
         self.attention_kv_tokens = attention_kv_tokens
         self.kv_device = kv_device or model.device
-        # [layers, slots, W]: W = K and V of every kv head (GQA) or the latent (MLA)
-        self.cache = torch.zeros(model.num_layers, num_blocks * block_size, model.spec.kv_width,
+        use_graphs = graphs is not None and self.kv_device == model.device and model.experts is None \
+            and use_paged_kernel(self.kv_device)
+        # [layers, slots, W]: W = K and V of every kv head (GQA) or the latent (MLA); with graphs
+        # one more slot, where padding rows write
+        self.cache = torch.zeros(model.num_layers, num_blocks * block_size + int(use_graphs), model.spec.kv_width,
                                  dtype=model.dtype, device=self.kv_device)
+        self.graphs = None
+        if use_graphs:
+            from .cuda_graphs import DecodeGraphs
+
+            assert graphs is not None
+            self.graphs = DecodeGraphs(model, self.cache, block_size, *graphs)
 
     def execute(self, plan: Plan) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """-> (the scheduled sequences that sample, in row order; their logits [N, V] fp32)."""
+        if self.graphs is not None and all(i.num_new == 1 and i.samples for i in plan.scheduled) \
+                and self.graphs.bucket_for(len(plan.scheduled)) is not None:
+            return self._execute_graph(plan.scheduled)
         groups = split_micro_batches(plan.scheduled, self.attention_kv_tokens)
         ordered = [item for g in groups for item in g]
         dev = self.model.device
@@ -67,6 +83,24 @@ class Executor:
         if not sample_rows:
             return [], torch.empty(0, self.model.spec.vocab_size)
         return samplers, self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
+
+    def _execute_graph(self, items: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """A decode-only step replayed from the CUDA graph of its batch-size bucket."""
+        assert self.graphs is not None
+        rows = [(_slice_tokens(i.seq.prompt_ids, i.seq.output_ids, i.seq.num_computed, 1)[0], i.seq.num_computed,
+                 i.seq.block_ids) for i in items]
+        logits, routed = self.graphs.run(rows)
+        n = len(items)
+        self.stats.forwards += 1
+        self.stats.graph_steps += 1
+        self.stats.attention_batches.append(n)
+        self.stats.moe_batches.extend([n] * len(routed))
+        if routed:
+            counts = torch.cat([torch.bincount(ids.flatten()) for ids in routed]).cpu()
+            self.stats.expert_call_tokens.extend(int(c) for c in counts if c > 0)
+        for item in items:
+            item.seq.num_computed += 1
+        return items, logits
 
     # -- KV travelling with a suspended / migrated coroutine --------------------------------------
     def read_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ class RuntimeStats:
     cached_prompt_tokens: int = 0  # of prompt_tokens, found in the prefix cache (not computed)
     generated_tokens: int = 0
     preemptions: int = 0
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph (runtime/cuda_graphs.py)
     # recent samples (bounded): tokens per attention micro-batch, per MoE stage call, and per
     # (MoE stage call, active expert)
     attention_batches: deque[int] = field(default_factory=_window)
@@ -35,6 +36,7 @@ class RuntimeStats:
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "preemptions": self.preemptions,
+            "graph_steps": self.graph_steps,
             "attention_batch_mean": mean(self.attention_batches),
             "moe_batch_mean": mean(self.moe_batches),
             "tokens_per_expert_call_mean": mean(self.expert_call_tokens),
