@@ -38,7 +38,12 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"KV pool exhausted: asked {n} blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        if n <= 0:
+            return []
+        blocks = self._free[-n:]  # the same ids, in the same order, as n pops from the end
+        del self._free[-n:]
+        blocks.reverse()
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterable
+from itertools import islice
 
 from ..runtime.sequence import Sequence
 
@@ -55,6 +56,8 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
         """sorted(self, key=remaining, reverse=True)[:limit], ties in queue order."""
         if len(self) <= limit:
             return sorted(self, key=_remaining, reverse=True)
+        if len(self.counts) == 1:  # all alike (a partition not started): queue order
+            return list(islice(self, limit))
         keep, threshold = 0, 0
         for key in sorted(self.counts, reverse=True):
             threshold = key
