@@ -118,11 +118,16 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            uncomputed = seq.num_tokens - seq.num_computed
+            # Sequence.num_tokens / remaining_tokens inlined: this loop visits every running row
+            # each forward (and each simulated slice)
+            computed, out = seq.num_computed, len(seq.output_ids)
+            uncomputed = len(seq.prompt_ids) + out - computed
             n = uncomputed if uncomputed < budget else budget
-            end = seq.num_computed + n
+            end = computed + n
             if ahead > 0 and n == uncomputed:
-                end += max(0, min(ahead, seq.remaining_tokens - 1))
+                later = int(seq.params.max_tokens) - out - 1  # tokens it may still feed after this one
+                if later > 0:
+                    end += ahead if ahead < later else later
             need = -(-end // bs) - len(seq.block_ids)
             if need > 0:  # most decode steps need no new block: skip the pool entirely (hot loop)
                 while not alloc.can_allocate(need):

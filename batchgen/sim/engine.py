@@ -26,9 +26,9 @@ import numpy as np
 from ..cluster.balance import MAX_REPORTED, CoroutineInfo, EngineLoad, reported_movable
 from ..cluster.speed import SpeedMeter
 from ..errors import PlanError
-from ..runtime.kv_cache import BlockAllocator
 from ..runtime.policy import Eviction, Plan, Scheduler, SchedulerConfig, prefer_transfer
 from ..runtime.sequence import SeqId, SeqStatus, Sequence
+from .blocks import BlockCounter
 from .cost import CostModel, recompute_tokens_per_s
 from .waiting import WaitingQueue
 
@@ -61,7 +61,7 @@ class EngineSimConfig:
     quantum_steps: int = 256
     finish_fraction: float = 1 / 8
     # KV a coarse slice may reserve ahead (of the pool): evictions come up to a slice early
-    reserve_fraction: float = 0.02
+    reserve_fraction: float = 0.05
     exact: bool = False  # end a slice at each finishing row (every decision exactly as the runtime)
     migration_latency_s: float = 0.05  # suspend at a yield point + RPC, besides the KV bytes
 
@@ -101,7 +101,7 @@ class SimEngine:
         if num_blocks < 1:
             raise PlanError(f"the KV pool holds {cost.kv_capacity_tokens} tokens: less than one block")
         self.name, self.cost, self.config = name, cost, config
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.allocator = BlockCounter(num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.waiting = self.scheduler.waiting = WaitingQueue()
         self.now = 0.0
@@ -189,11 +189,12 @@ class SimEngine:
         # MAX_REPORTED can make it, and when there are that many no running row does
         top = self.waiting.most_remaining(MAX_REPORTED)
         if len(top) >= MAX_REPORTED:
-            movable = tuple(CoroutineInfo(int(q.seq_id), q.remaining_tokens, 0) for q in top)
+            movable = tuple(top)
         else:
-            movable = reported_movable(CoroutineInfo(int(q.seq_id), q.remaining_tokens, q.num_computed)
-                                       for q in top + s.running)
-        remaining = self.waiting.remaining_tokens + sum(q.remaining_tokens for q in s.running)
+            movable = reported_movable(top + [CoroutineInfo(int(q.seq_id), q.remaining_tokens, q.num_computed)
+                                              for q in s.running])
+        # remaining_tokens of a running row: it finishes (and leaves) once it reaches max_tokens
+        remaining = self.waiting.remaining_tokens + sum(q.params.max_tokens - len(q.output_ids) for q in s.running)
         load = EngineLoad(self.name, "model", True, len(s.waiting), len(s.running), remaining,
                           1 - self.allocator.num_free / self.allocator.num_blocks, self.meter.tokens_per_s,
                           movable, self.meter.speed)
@@ -283,12 +284,14 @@ class SimEngine:
             extra_s += seq.num_computed * self.cost.kv_bytes_per_token / self.cost.host_bytes_per_s
         self.now += float(self.cost.step_seconds(tokens, len(plan.scheduled), kv, pairs)) + extra_s
         for item in plan.scheduled:
-            samples = item.samples
-            item.seq.num_computed += item.num_new
-            if samples:
-                item.seq.output_ids = token_list(len(item.seq.output_ids) + 1)  # type: ignore[assignment]
+            seq = item.seq
+            seq.num_computed = computed = seq.num_computed + item.num_new
+            out = len(seq.output_ids)
+            if computed == len(seq.prompt_ids) + out:  # ScheduledSeq.samples: it reached its last token
+                seq.output_ids = token_list(out + 1)  # type: ignore[assignment]
                 self.generated += 1
-                self._finish_if_done(item.seq)
+                if out + 1 >= seq.params.stop_at:
+                    self._finish_if_done(seq)
 
     def _decode(self, plan: Plan, t_end: float, extra_s: float) -> None:
         """k >= 1 decode steps of the planned batch in closed form (see the module docstring)."""
