@@ -81,7 +81,7 @@ def test_load_report_equals_the_runners_full_sort() -> None:
                 q.remove(q[rng.randrange(len(q))]) if rng.random() < 0.5 else q.popleft()
         infos = [CoroutineInfo(int(s.seq_id), s.remaining_tokens, 0) for s in q]
         want = reported_movable(infos)
-        got = reported_movable(CoroutineInfo(int(s.seq_id), s.remaining_tokens, 0) for s in q.most_remaining(256))
+        got = reported_movable(q.most_remaining(256))
         assert got == want, trial
         assert q.remaining_tokens == sum(s.remaining_tokens for s in q)
 
@@ -95,3 +95,30 @@ def test_engine_load_is_what_the_policy_reads(cost) -> None:
     assert load.remaining_tokens == sum(s.remaining_tokens for s in unfinished)
     assert load.movable == reported_movable(CoroutineInfo(int(s.seq_id), s.remaining_tokens, s.num_computed)
                                             for s in unfinished)
+
+
+def test_lookahead_reserves_the_coming_decode_steps_and_evicts_for_them() -> None:
+    """Scheduler.schedule(lookahead=k): each sampling row gets KV for k tokens (at most until its
+    max_tokens), evicting the newest when the pool cannot hold that; k=1 is the engine's plan."""
+    from batchgen.runtime.kv_cache import BlockAllocator
+    from batchgen.runtime.policy import Scheduler, SchedulerConfig
+    from batchgen.runtime.sequence import SeqStatus
+
+    def three_running(lookahead: int) -> tuple[Scheduler, policy.Plan]:
+        alloc = BlockAllocator(12, 8)  # 6 blocks held below, 6 free
+        sched = Scheduler(SchedulerConfig(8, 64), alloc)
+        for r, m in enumerate((100, 100, 3)):  # row 2 may generate 2 more tokens
+            q = make_sequence(r, 16, m, m)
+            q.num_computed, q.output_ids = 16, range(1)  # prefilled, one token sampled: 1 to feed
+            q.block_ids, q.status = alloc.allocate(2), SeqStatus.RUNNING
+            sched.running.append(q)
+        return sched, sched.schedule(lookahead)
+
+    sched, plan = three_running(1)  # 17 tokens: a third block each
+    assert [len(s.block_ids) for s in sched.running] == [3, 3, 3] and not plan.evicted
+    sched, plan = three_running(10)  # 26 tokens -> 4 blocks; row 2 only to its end: 18 -> 3
+    assert [len(s.block_ids) for s in sched.running] == [4, 4, 3] and not plan.evicted
+    assert sched.allocator.num_free == 1 and [i.num_new for i in plan.scheduled] == [1, 1, 1]
+    sched, plan = three_running(30)  # 46 tokens -> 6 blocks: row 1's do not fit until row 2 goes
+    assert [int(e.seq.seq_id) for e in plan.evicted] == [2]
+    assert [len(s.block_ids) for s in sched.running] == [6, 6] and sched.allocator.num_free == 0

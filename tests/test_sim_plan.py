@@ -96,6 +96,25 @@ def test_balancing_orders_are_plan_migrations_on_the_same_state(h200, monkeypatc
     assert result.migrated_coroutines == sum(len(o.seq_ids) for _, o in done)  # type: ignore[attr-defined]
 
 
+def test_length_oblivious_estimate_lies_between_the_bound_and_the_policies(h200) -> None:
+    """oblivious_bct grants free, perfect migration but starts rows in an order blind to their
+    lengths: above the ideal bound when rows start late, and close under every simulated policy."""
+    from batchgen.sim.oblivious import fifo_bct, oblivious_bct, start_orders
+
+    assert [list(o) for o in start_orders(7, 3)] == [list(range(7)), [0, 3, 5, 1, 4, 6, 2]]
+    w = synthetic("reasoning", 400, 0)
+    engine = EngineSimConfig(max_num_seqs=16)
+    report = run_plan(w, h200, engine, ClusterSimConfig(3))
+    est = oblivious_bct(w, h200, engine, 3)
+    assert est > 1.02 * report.ideal.bct_s  # rows must wait for seats, so late long ones cost time
+    for r in report.results:
+        assert r.bct_s > 0.98 * est, r.policy
+    # long rows first: the blind order is the worst one, long rows last in input order even more so
+    longest_first = np.argsort(-w.output_len, kind="stable")
+    assert fifo_bct(w, h200, engine, 3, longest_first) < est
+    assert fifo_bct(w, h200, engine, 3, longest_first[::-1]) > est
+
+
 def test_cooldown_is_the_plugins() -> None:
     from batchgen.cluster.plugin import BalancePlugin
 

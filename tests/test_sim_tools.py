@@ -52,8 +52,47 @@ def test_calibrate_writes_a_profile_plan_can_use(tmp_path: Path, checkpoint_fact
     profile = load_profile(out)
     assert isinstance(profile, FittedProfile) and "measured by batchgen bench --calibrate" in profile.source
     assert profile.fit["median_rel_error"] < 0.5 and sum(profile.coefficients.values()) > 0
+    assert profile.expert_traffic == {}  # every expert resident: nothing measured, the estimate stands
     capsys.readouterr()
     assert main(["plan", "--rows", "50", "--workers", "2", "--profile", str(out), "--workload", "classification",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["policies"]["batchgen"]["bct_s"] > 0
     assert main(["bench", "--calibrate", str(tmp_path), "-o", str(out)]) == 2  # not a model directory
+
+
+def test_calibrate_offloaded_records_measured_expert_bytes(tmp_path: Path, checkpoint_factory: Callable[..., Path],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """An offloaded calibration records the engine's own expert_bytes_from_host/_from_disk and the
+    bytes per forward; the cost model then prices each forward's fetch with those measured bytes."""
+    from batchgen import Engine
+    from batchgen.sim.cost import FittedCost, build_cost
+
+    model = checkpoint_factory("mixtral")
+    probe = Engine(model, kv_cache_bytes=16 << 20)
+    ffn = next(layer.ffn for layer in probe.model.weights.layers if getattr(layer.ffn, "w13", None) is not None)
+    one_layer = (ffn.w13[0].numel() + ffn.w2[0].numel()) * ffn.w13.element_size() * ffn.w13.shape[0]
+    out = tmp_path / "offloaded.json"
+    assert main(["bench", "--calibrate", str(model), "-o", str(out), "--quick", "--threads", "1",
+                 "--kv-cache-bytes", "16MiB", "--expert-memory", str(one_layer)]) == 0
+    assert "MiB per generated token" in capsys.readouterr().err
+    profile = load_profile(out)
+    traffic = profile.expert_traffic
+    assert traffic["expert_memory_bytes"] == one_layer
+    assert traffic["expert_bytes_from_host"] > 0  # a pool of one layer: every other layer is copied in
+    per_forward = np.array(traffic["per_forward"])
+    assert (per_forward[:, 1] > 0).all() and list(per_forward[:, 0]) == sorted(per_forward[:, 0])
+    cost = build_cost(profile, None)
+    assert isinstance(cost, FittedCost) and cost.traffic is not None
+    t = per_forward[:, 0]
+    host, disk = cost.traffic.at(t)
+    np.testing.assert_allclose(host, per_forward[:, 1])  # measured sizes: the measured bytes
+    np.testing.assert_allclose(disk, per_forward[:, 2])
+    # the fetch term is coefficient x measured bytes: doubling the traffic adds exactly that much
+    fields = {f: getattr(profile, f) for f in profile.__slots__}  # type: ignore[attr-defined]
+    fields["coefficients"] = {**profile.coefficients, "per_host_byte_s": 1e-9, "per_disk_byte_s": 4e-9}
+    base = FittedCost.build(FittedProfile(**fields))
+    doubled = FittedCost.build(FittedProfile(**{**fields, "expert_traffic": {
+        **traffic, "per_forward": (per_forward * [1, 2, 2]).tolist()}}))
+    extra = doubled.step_seconds(t, 1, t, t) - base.step_seconds(t, 1, t, t)
+    np.testing.assert_allclose(extra, host * 1e-9 + disk * 4e-9, rtol=1e-9)
+    assert (extra > 0).all()

@@ -64,16 +64,24 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
             raise RuntimeError(f"KV pool exhausted: asked {n} blocks, {self.num_free} free")
-        out = []
-        for _ in range(n):
-            if self._free:
-                b = self._free.pop()
-            else:  # evict the least recently freed cached block
+        if n <= 0:
+            return []
+        free = self._free
+        if n <= len(free):  # the common case in one slice: the same ids, in the same order, as n pops
+            out = free[-n:]
+            del free[-n:]
+            out.reverse()
+        else:
+            out = free[::-1]
+            free.clear()
+            while len(out) < n:  # evict the least recently freed cached blocks
                 b, _ = self._idle.popitem(last=False)
                 del self._by_hash[self._hash_of.pop(b)]
                 self.evicted += 1
-            self._refs[b] = 1
-            out.append(b)
+                out.append(b)
+        refs = self._refs
+        for b in out:
+            refs[b] = 1
         return out
 
     def free(self, blocks: list[int]) -> None:

@@ -125,27 +125,43 @@ class Scheduler:
         self.waiting.appendleft(seq)
         return Evicted(seq, blocks, computed)
 
-    def schedule(self) -> Plan:
+    def schedule(self, lookahead: int = 1) -> Plan:
+        """The next forward. lookahead k > 1 (vLLM's lookahead slots, multi-step scheduling):
+        every running sequence that samples in this forward also gets KV blocks for its next
+        k - 1 decode steps (at most its remaining_tokens), evicting now what those steps would
+        evict, so k forwards of the same batch can follow without another decision. The engine
+        uses 1; the simulator plans decode slices of k steps with it."""
         plan, budget = Plan(), self.config.max_num_batched_tokens
         cache = self.cache
         if cache is not None:  # the last forward filled these blocks: shareable from now on
             for seq in self.running:
                 cache.register(seq)
+        alloc, running, ahead = self.allocator, self.running, lookahead - 1
+        bs = alloc.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
-            need = self.allocator.extra_blocks(len(seq.block_ids), seq.num_computed + n)
-            if need:  # most decode steps need no new block: skip the pool entirely (hot loop)
-                while not self.allocator.can_allocate(need):
-                    unscheduled = self.running[i:]
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            # Sequence.num_tokens / remaining_tokens inlined: this loop visits every running row
+            # each forward (and each simulated slice)
+            computed, out = seq.num_computed, len(seq.output_ids)
+            uncomputed = len(seq.prompt_ids) + out - computed
+            n = uncomputed if uncomputed < budget else budget
+            end = computed + n
+            if ahead > 0 and n == uncomputed:
+                later = int(seq.params.max_tokens) - out - 1  # tokens it may still feed after this one
+                if later > 0:
+                    end += ahead if ahead < later else later
+            need = -(-end // bs) - len(seq.block_ids)
+            if need > 0:  # most decode steps need no new block: skip the pool entirely (hot loop)
+                while not alloc.can_allocate(need):
+                    unscheduled = running[i:]
                     victim = pick_victim(unscheduled, self.config.eviction) if len(unscheduled) > 1 else seq
                     plan.evicted.append(self.evict(victim, "evict:kv-pool-full"))
                     if victim is seq:
                         break
                 if seq.status is not SeqStatus.RUNNING:
                     continue
-                seq.block_ids += self.allocator.allocate(need)
+                seq.block_ids += alloc.allocate(need)
             plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1

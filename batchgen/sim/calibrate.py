@@ -37,8 +37,15 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         active.pop(int(np.argmin(sol)))
 
 
+def _expert_bytes(engine: object) -> tuple[int, int]:
+    """(bytes copied from host memory, bytes read from disk) by the expert store so far."""
+    store = getattr(engine.model, "experts", None)  # type: ignore[attr-defined]
+    return (int(store.stats.bytes_from_host), int(store.stats.bytes_from_disk)) if store is not None else (0, 0)
+
+
 def measure(engine: object, batch: int, prompt: int, steps: int, seed: int) -> list[tuple[float, ...]]:
-    """[(tokens, seqs, kv_tokens, attn_pairs, seconds)] of the forwards of one grid point."""
+    """[(tokens, seqs, kv_tokens, attn_pairs, host_bytes, disk_bytes, seconds)] of the forwards
+    of one grid point (host/disk bytes: the experts the forward moved; 0 when all are resident)."""
     from ..sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -50,9 +57,11 @@ def measure(engine: object, batch: int, prompt: int, steps: int, seed: int) -> l
     rows: list[tuple[float, ...]] = []
     while sched.has_work:
         before = {int(s.seq_id): (s.num_computed, s.num_tokens) for s in list(sched.waiting) + sched.running}
+        host0, disk0 = _expert_bytes(engine)
         t0 = time.perf_counter()
         engine.step()  # type: ignore[attr-defined]
         seconds = time.perf_counter() - t0
+        host1, disk1 = _expert_bytes(engine)
         after = {int(s.seq_id): s.num_computed for s in sched.running}
         tokens = seqs = kv = 0
         pairs = 0.0
@@ -61,7 +70,7 @@ def measure(engine: object, batch: int, prompt: int, steps: int, seed: int) -> l
             if fed > 0:
                 tokens, seqs, kv, pairs = tokens + fed, seqs + 1, kv + c + fed, pairs + fed * (c + (fed + 1) / 2)
         if tokens:
-            rows.append((tokens, seqs, kv, pairs, seconds))
+            rows.append((tokens, seqs, kv, pairs, host1 - host0, disk1 - disk0, seconds))
     for seq_id in list(engine._seqs):  # type: ignore[attr-defined]
         engine.pop_output(seq_id)  # type: ignore[attr-defined]
     return rows
@@ -70,8 +79,9 @@ def measure(engine: object, batch: int, prompt: int, steps: int, seed: int) -> l
 def fit(rows: list[tuple[float, ...]], num_experts: int, top_k: int, num_moe_layers: int
         ) -> tuple[dict[str, float], dict[str, float]]:
     data = np.array(rows, dtype=np.float64)
-    x = fit_features(data[:, 0], data[:, 1], data[:, 2], data[:, 3], num_experts, top_k, num_moe_layers)
-    y = data[:, 4]
+    x = fit_features(data[:, 0], data[:, 1], data[:, 2], data[:, 3], num_experts, top_k, num_moe_layers,
+                     data[:, 4], data[:, 5])
+    y = data[:, 6]
     w = 1.0 / np.maximum(y, 1e-6)
     coef = _nnls(x * w[:, None], y * w)
     rel = np.abs(x @ coef - y) / y
@@ -102,6 +112,7 @@ def calibrate(model_dir: Path, *, dtype: str = "float32", device: str | None = N
         for j, p in enumerate(prompts):
             rows += measure(engine, b, p, DECODE_STEPS if not quick else 8, seed + 10 * i + j)
     coefficients, quality = fit(rows, shape.num_experts, shape.top_k, shape.num_moe_layers)
+    traffic = expert_traffic(engine, rows, engine_options)
     cfg = engine.config
     quality.update(grid={"batches": list(batches), "prompts": list(prompts)},
                    engine={"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
@@ -113,4 +124,24 @@ def calibrate(model_dir: Path, *, dtype: str = "float32", device: str | None = N
         num_experts=shape.num_experts, top_k=shape.top_k, num_moe_layers=shape.num_moe_layers,
         network_bytes_per_s=float(cfg.kv_link_bytes_per_s), host_bytes_per_s=float(cfg.host_link_bytes_per_s),
         source=f"measured by batchgen bench --calibrate on {platform.node()} ({platform.processor() or platform.machine()}, "
-               f"{engine.model.device}, {dtype}) at {when}", fit=quality)
+               f"{engine.model.device}, {dtype}) at {when}", fit=quality, expert_traffic=traffic)
+
+
+def expert_traffic(engine: object, rows: list[tuple[float, ...]], engine_options: dict[str, object]) -> dict[str, object]:
+    """An offloaded engine's measured expert traffic for FittedCost: the mean host / disk bytes
+    per forward at each tokens-per-forward size seen, and the engine's own per-token figures.
+    {} when every expert was resident (nothing moved)."""
+    if getattr(engine.model, "experts", None) is None:  # type: ignore[attr-defined]
+        return {}
+    stats = engine.stats_summary()  # type: ignore[attr-defined]
+    by_tokens: dict[int, list[tuple[float, float]]] = {}
+    for r in rows:
+        by_tokens.setdefault(int(r[0]), []).append((r[4], r[5]))
+    per_forward = [[t, float(np.mean([h for h, _ in v])), float(np.mean([d for _, d in v]))]
+                   for t, v in sorted(by_tokens.items())]
+    return {"expert_memory_bytes": engine_options.get("expert_memory_bytes"),
+            "expert_host_memory_bytes": engine_options.get("expert_host_memory_bytes"),
+            "expert_bytes_from_disk": float(stats["expert_bytes_from_disk"]),
+            "expert_bytes_from_host": float(stats["expert_bytes_from_host"]),
+            "generated_tokens": int(stats.get("generated_tokens", 0)),
+            "per_forward": per_forward}

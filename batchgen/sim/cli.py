@@ -76,6 +76,11 @@ def add_commands(sub: Any) -> None:
     bench.add_argument("--device", default=None)
     bench.add_argument("--kv-cache-bytes", type=parse_size, default=256 << 20, metavar="SIZE")
     bench.add_argument("--threads", type=int, metavar="N", help="torch threads while measuring (default: torch's)")
+    bench.add_argument("--expert-memory", type=parse_size, metavar="SIZE", help="calibrate with the routed experts "
+                       "offloaded (this much on the device): the profile records the expert bytes each forward "
+                       "moved, and plan's cost model uses them")
+    bench.add_argument("--expert-host-memory", type=parse_size, metavar="SIZE",
+                       help="host memory for experts (the rest is read from disk)")
     bench.add_argument("--quick", action="store_true", help="a smaller grid (for tests)")
     bench.set_defaults(handler=run_bench_command)
 
@@ -146,9 +151,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
     from .profiles import save_profile
 
+    offload = {k: v for k, v in (("expert_memory_bytes", args.expert_memory),
+                                 ("expert_host_memory_bytes", args.expert_host_memory)) if v is not None}
     profile = calibrate(args.calibrate, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
-                        quick=args.quick, threads=args.threads)
+                        quick=args.quick, threads=args.threads, **offload)
     save_profile(profile, args.output)
+    traffic = profile.expert_traffic
+    moved = (f", experts moved {(traffic['expert_bytes_from_host'] + traffic['expert_bytes_from_disk']) / 2**20:.2f} "
+             "MiB per generated token" if traffic else "")
     print(f"batchgen bench: wrote {args.output}: fit over {profile.fit.get('points')} steps, "
-          f"median relative error {profile.fit.get('median_rel_error', 0):.1%}", file=sys.stderr)
+          f"median relative error {profile.fit.get('median_rel_error', 0):.1%}{moved}", file=sys.stderr)
     return 0

@@ -7,7 +7,9 @@ new) and `attn_pairs` (query-context token pairs). Two models fill that in:
 - RooflineCost: a GPU profile applied to a model's shapes. Time is the larger of compute and
   memory traffic (weights, KV), plus fetching the experts that do not sit on the device (expert
   offload tiers) and a fixed per-step overhead.
-- FittedCost: the same terms, least-squares fitted to step times measured on a real engine.
+- FittedCost: the same terms, least-squares fitted to step times measured on a real engine;
+  for an engine calibrated with its experts offloaded, the expert bytes each forward moved
+  (measured, by tokens per forward) replace the uniform-routing estimate of what it fetches.
 
 MoE: a forward of T tokens reads each expert that at least one token routes to. Routing is
 assumed uniform and independent: E * (1 - (1 - k/E)^T) experts per layer. Real routers are
@@ -16,7 +18,7 @@ skewed, which touches fewer experts, so this errs towards slower small batches.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -109,14 +111,51 @@ class RooflineCost:
         return g.step_overhead_s + device + fetch
 
 
-FIT_TERMS = ("overhead_s", "per_token_s", "per_seq_s", "per_kv_token_s", "per_attn_pair_s", "per_expert_s")
+FIT_TERMS = ("overhead_s", "per_token_s", "per_seq_s", "per_kv_token_s", "per_attn_pair_s", "per_expert_s",
+             "per_host_byte_s", "per_disk_byte_s")
 
 
 def fit_features(tokens: ArrayLike, seqs: ArrayLike, kv_tokens: ArrayLike, attn_pairs: ArrayLike,
-                 num_experts: int, top_k: int, num_moe_layers: int) -> np.ndarray:
-    """[..., len(FIT_TERMS)]: the regressors of FittedCost, in FIT_TERMS order (inputs broadcast)."""
-    t, s, k, a = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (tokens, seqs, kv_tokens, attn_pairs)))
-    return np.stack([np.ones_like(t), t, s, k, a, num_moe_layers * experts_touched(t, num_experts, top_k)], axis=-1)
+                 num_experts: int, top_k: int, num_moe_layers: int, host_bytes: ArrayLike = 0.0,
+                 disk_bytes: ArrayLike = 0.0) -> np.ndarray:
+    """[..., len(FIT_TERMS)]: the regressors of FittedCost, in FIT_TERMS order (inputs broadcast).
+    host_bytes / disk_bytes: expert bytes a forward copied from host memory / read from disk
+    (an offloaded engine's measured traffic; 0 with every expert resident)."""
+    t, s, k, a, h, d = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64)
+                                             for v in (tokens, seqs, kv_tokens, attn_pairs, host_bytes, disk_bytes)))
+    return np.stack([np.ones_like(t), t, s, k, a, num_moe_layers * experts_touched(t, num_experts, top_k), h, d],
+                    axis=-1)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertTraffic:
+    """Measured expert bytes per forward of an offloaded engine, by tokens per forward.
+
+    tokens [P] ascending, host_bytes / disk_bytes [P]: the mean bytes a forward of that many
+    tokens copied from host memory / read from disk while calibrating; other sizes interpolate
+    (piecewise linear in log tokens, flat past the ends). Replaces the uniform-routing estimate:
+    the offload's eviction keeps the experts a router favours, so real forwards miss fewer."""
+
+    tokens: np.ndarray
+    host_bytes: np.ndarray
+    disk_bytes: np.ndarray
+
+    @classmethod
+    def from_profile(cls, traffic: dict[str, Any]) -> ExpertTraffic | None:
+        points = traffic.get("per_forward") or []
+        if not points:
+            return None
+        arr = np.array(points, dtype=np.float64).reshape(-1, 3)
+        if (arr < 0).any() or (arr[:, 0] < 1).any():
+            raise PlanError(f"expert_traffic.per_forward: tokens >= 1 and bytes >= 0 expected, got {points[:3]}...")
+        arr = arr[np.argsort(arr[:, 0], kind="stable")]
+        return cls(arr[:, 0], arr[:, 1], arr[:, 2])
+
+    def at(self, tokens: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        x = np.log(np.maximum(np.asarray(tokens, dtype=np.float64), 1.0))
+        xp = np.log(self.tokens)
+        on = np.asarray(tokens) > 0
+        return np.interp(x, xp, self.host_bytes) * on, np.interp(x, xp, self.disk_bytes) * on
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,16 +165,19 @@ class FittedCost:
     kv_bytes_per_token: int
     network_bytes_per_s: float
     host_bytes_per_s: float
+    traffic: ExpertTraffic | None = None  # measured expert bytes per forward (an offloaded run)
 
     @classmethod
     def build(cls, profile: FittedProfile, kv_capacity_tokens: int | None = None) -> FittedCost:
         return cls(profile, kv_capacity_tokens or profile.kv_capacity_tokens, profile.kv_bytes_per_token,
-                   profile.network_bytes_per_s, profile.host_bytes_per_s)
+                   profile.network_bytes_per_s, profile.host_bytes_per_s,
+                   ExpertTraffic.from_profile(profile.expert_traffic))
 
     def step_seconds(self, tokens: ArrayLike, seqs: ArrayLike, kv_tokens: ArrayLike,
                      attn_pairs: ArrayLike) -> np.ndarray:
         p = self.profile
-        x = fit_features(tokens, seqs, kv_tokens, attn_pairs, p.num_experts, p.top_k, p.num_moe_layers)
+        host, disk = self.traffic.at(tokens) if self.traffic is not None else (0.0, 0.0)
+        x = fit_features(tokens, seqs, kv_tokens, attn_pairs, p.num_experts, p.top_k, p.num_moe_layers, host, disk)
         return x @ np.array([p.coefficients.get(k, 0.0) for k in FIT_TERMS])
 
 

@@ -26,9 +26,9 @@ import numpy as np
 from ..cluster.balance import MAX_REPORTED, CoroutineInfo, EngineLoad, reported_movable
 from ..cluster.speed import SpeedMeter
 from ..errors import PlanError
-from ..runtime.kv_cache import BlockAllocator
 from ..runtime.policy import Eviction, Plan, Scheduler, SchedulerConfig, prefer_transfer
 from ..runtime.sequence import SeqId, SeqStatus, Sequence
+from .blocks import BlockCounter
 from .cost import CostModel, recompute_tokens_per_s
 from .waiting import WaitingQueue
 
@@ -45,10 +45,7 @@ class SimRequest:
 
     max_tokens: int
     output_len: int
-
-    @property
-    def stop_at(self) -> int:
-        return min(self.max_tokens, self.output_len)
+    stop_at: int  # min(max_tokens, output_len): a field, read once per row per slice
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +60,8 @@ class EngineSimConfig:
     # above the exact mode's and simulated 4x faster.
     quantum_steps: int = 256
     finish_fraction: float = 1 / 8
+    # KV a coarse slice may reserve ahead (of the pool): evictions come up to a slice early
+    reserve_fraction: float = 0.05
     exact: bool = False  # end a slice at each finishing row (every decision exactly as the runtime)
     migration_latency_s: float = 0.05  # suspend at a yield point + RPC, besides the KV bytes
 
@@ -83,7 +82,7 @@ class EngineSimConfig:
 
 
 def make_sequence(row: int, prompt_len: int, max_tokens: int, output_len: int) -> Sequence:
-    return Sequence(SeqId(row), row, token_list(prompt_len), SimRequest(max_tokens, output_len), 0,  # type: ignore[arg-type]
+    return Sequence(SeqId(row), row, token_list(prompt_len), SimRequest(max_tokens, output_len, min(max_tokens, output_len)), 0,  # type: ignore[arg-type]
                     output_ids=token_list(0))  # type: ignore[arg-type]
 
 
@@ -102,7 +101,7 @@ class SimEngine:
         if num_blocks < 1:
             raise PlanError(f"the KV pool holds {cost.kv_capacity_tokens} tokens: less than one block")
         self.name, self.cost, self.config = name, cost, config
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.allocator = BlockCounter(num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.waiting = self.scheduler.waiting = WaitingQueue()
         self.now = 0.0
@@ -117,6 +116,8 @@ class SimEngine:
         self.preemptions = 0
         self.arrivals: list[tuple[float, int, Arrival]] = []
         self.recompute_rate = recompute_tokens_per_s(cost, config.max_num_batched_tokens)
+        self.version = 0  # bumped by every change of state: a load report is reused until then
+        self._load: tuple[int, EngineLoad] | None = None
 
     # -- work in ----------------------------------------------------------------------------------
     def add(self, seq: Sequence, at: float = 0.0) -> None:
@@ -124,9 +125,11 @@ class SimEngine:
         if not self.scheduler.has_work:
             self.now = max(self.now, at)
         self.scheduler.add(seq)
+        self.version += 1
 
     def arrive(self, arrival: Arrival) -> None:
         heapq.heappush(self.arrivals, (arrival.at, int(arrival.seq.seq_id), arrival))
+        self.version += 1
 
     @property
     def has_work(self) -> bool:
@@ -158,6 +161,7 @@ class SimEngine:
     def suspend(self, seq_ids: tuple[int, ...]) -> list[tuple[Sequence, int]]:
         """Take coroutines out at the yield point between forwards: [(seq, KV tokens it carries)]."""
         wanted = set(seq_ids)
+        self.version += 1
         picked = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting) if int(s.seq_id) in wanted]
         out = []
         kv_bytes = self.cost.kv_bytes_per_token
@@ -175,21 +179,33 @@ class SimEngine:
         return self.config.migration_latency_s + kv_tokens * self.cost.kv_bytes_per_token / self.cost.network_bytes_per_s
 
     def load(self) -> EngineLoad:
-        """What the runner reports to the plugin (runner.py `_snapshot`), on simulated state."""
+        """What the runner reports to the plugin (runner.py `_snapshot`), on simulated state.
+        The same report as long as nothing changed since the last one (an idle engine)."""
+        if self._load is not None and self._load[0] == self.version:
+            return self._load[1]
         s = self.scheduler
         # the runner lists waiting rows, then running ones, and keeps the first MAX_REPORTED of
-        # a stable sort; waiting rows are not started, so only their top MAX_REPORTED can make it
-        candidates = self.waiting.most_remaining(MAX_REPORTED) + s.running
-        movable = reported_movable(CoroutineInfo(int(q.seq_id), q.remaining_tokens, q.num_computed) for q in candidates)
-        remaining = self.waiting.remaining_tokens + sum(q.remaining_tokens for q in s.running)
-        return EngineLoad(self.name, "model", True, len(s.waiting), len(s.running), remaining,
+        # a stable sort, not-started first; waiting rows are not started, so only their top
+        # MAX_REPORTED can make it, and when there are that many no running row does
+        top = self.waiting.most_remaining(MAX_REPORTED)
+        if len(top) >= MAX_REPORTED:
+            movable = tuple(top)
+        else:
+            movable = reported_movable(top + [CoroutineInfo(int(q.seq_id), q.remaining_tokens, q.num_computed)
+                                              for q in s.running])
+        # remaining_tokens of a running row: it finishes (and leaves) once it reaches max_tokens
+        remaining = self.waiting.remaining_tokens + sum(q.params.max_tokens - len(q.output_ids) for q in s.running)
+        load = EngineLoad(self.name, "model", True, len(s.waiting), len(s.running), remaining,
                           1 - self.allocator.num_free / self.allocator.num_blocks, self.meter.tokens_per_s,
                           movable, self.meter.speed)
+        self._load = (self.version, load)
+        return load
 
     # -- time -------------------------------------------------------------------------------------
     def run_until(self, t_end: float) -> None:
         """Advance to t_end (or a little past: a forward is not cut), or until out of work."""
         while self.now < t_end:
+            self.version += 1
             self._take_arrivals()
             if not self.scheduler.has_work:
                 if not self.arrivals:  # idle: the clock stays at the last forward's end
@@ -197,7 +213,7 @@ class SimEngine:
                 self.now = max(self.now, min(self.arrivals[0][0], t_end))
                 continue
             start, generated = self.now, self.generated
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(self._lookahead())
             self.preemptions += len(plan.evicted)
             extra = sum(self._swap_out(ev.seq, ev.num_computed) for ev in plan.evicted)
             if not plan:
@@ -211,6 +227,15 @@ class SimEngine:
             if self.now > start:
                 self.timeline.append((start, self.now, self.generated - generated))
             self.meter.observe(self.now, self.generated, len(self.scheduler.waiting))
+
+    def _lookahead(self) -> int:
+        """Coarse slices reserve KV for the coming slice up front (Scheduler.schedule's
+        lookahead: one decision per slice instead of one each time the pool runs out), at most
+        `reserve_fraction` of the pool over the batch; exact ones decide step by step."""
+        if self.config.exact:
+            return 1
+        per_row = self.config.reserve_fraction * self.allocator.capacity_tokens / max(1, len(self.scheduler.running))
+        return max(1, min(self.config.quantum_steps, int(per_row)))
 
     def _swap_out(self, seq: Sequence, num_computed: int) -> float:
         """Engine._maybe_swap_out: keep the KV in host memory when that beats recomputing it."""
@@ -259,60 +284,67 @@ class SimEngine:
             extra_s += seq.num_computed * self.cost.kv_bytes_per_token / self.cost.host_bytes_per_s
         self.now += float(self.cost.step_seconds(tokens, len(plan.scheduled), kv, pairs)) + extra_s
         for item in plan.scheduled:
-            samples = item.samples
-            item.seq.num_computed += item.num_new
-            if samples:
-                item.seq.output_ids = token_list(len(item.seq.output_ids) + 1)  # type: ignore[assignment]
+            seq = item.seq
+            seq.num_computed = computed = seq.num_computed + item.num_new
+            out = len(seq.output_ids)
+            if computed == len(seq.prompt_ids) + out:  # ScheduledSeq.samples: it reached its last token
+                seq.output_ids = token_list(out + 1)  # type: ignore[assignment]
                 self.generated += 1
-                self._finish_if_done(item.seq)
+                if out + 1 >= seq.params.stop_at:
+                    self._finish_if_done(seq)
 
     def _decode(self, plan: Plan, t_end: float, extra_s: float) -> None:
         """k >= 1 decode steps of the planned batch in closed form (see the module docstring)."""
         seqs = [item.seq for item in plan.scheduled]
-        c0 = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
-        out0 = np.fromiter((len(s.output_ids) for s in seqs), np.int64, len(seqs))
-        left = np.fromiter((s.params.stop_at for s in seqs), np.int64, len(seqs)) - out0
+        n = len(seqs)
+        state = np.array([(s.num_computed, len(s.output_ids), s.params.stop_at, len(s.block_ids)) for s in seqs],
+                         dtype=np.int64).reshape(n, 4)
+        c0, out0, have = state[:, 0], state[:, 1], state[:, 3]
+        left = state[:, 2] - out0
         order = np.argsort(left, kind="stable")
         left_sorted, c_sorted = left[order], c0[order]
-        nth = 0 if self.config.exact else max(0, math.ceil(self.config.finish_fraction * len(seqs)) - 1)
+        nth = 0 if self.config.exact else max(0, math.ceil(self.config.finish_fraction * n) - 1)
         horizon = max(1, min(self.config.quantum_steps, int(left_sorted[nth])))
         j = np.arange(horizon)
         done_by = np.searchsorted(left_sorted, j, side="right")  # rows finished before step j
-        active = len(seqs) - done_by
+        active = n - done_by
         c_suffix = np.concatenate([np.cumsum(c_sorted[::-1])[::-1], [0]])
         kv = c_suffix[done_by] + active * (j + 1)  # context read at step j: c0 + j computed, 1 new
         dt = self.cost.step_seconds(active, active, kv, kv)
         dt[0] += extra_s
         cum = np.cumsum(dt)
         k = max(1, int(np.searchsorted(cum, t_end - self.now, side="right")))
-        k, need = self._kv_limit(seqs, c0, left, min(k, horizon))
+        k, need = self._kv_limit(c0, left, have, min(k, horizon))
         self.now += float(cum[k - 1])
         steps = np.minimum(left, k)
         self.generated += int(steps.sum())
         computed, outputs = (c0 + steps).tolist(), (out0 + steps).tolist()
-        for i in range(len(seqs)):  # hot loop: plain ints
+        for i in range(n):  # hot loop: plain ints
             seq = seqs[i]
             seq.num_computed = computed[i]
             seq.output_ids = range(outputs[i])  # type: ignore[assignment]
-        for i in np.flatnonzero(need).tolist():
-            seqs[i].block_ids += self.allocator.allocate(int(need[i]))
+        if need is not None:
+            for i in np.flatnonzero(need).tolist():
+                seqs[i].block_ids += self.allocator.allocate(int(need[i]))
         for i in np.flatnonzero(steps == left).tolist():
             self._finish_if_done(seqs[i])
 
-    def _kv_limit(self, seqs: list[Sequence], c0: np.ndarray, left: np.ndarray, k: int) -> tuple[int, np.ndarray]:
-        """Largest k' <= k whose blocks fit the free pool (step 1's are already allocated),
-        and the blocks each sequence then needs."""
-        have = np.fromiter((len(s.block_ids) for s in seqs), np.int64, len(seqs))
+    def _kv_limit(self, c0: np.ndarray, left: np.ndarray, have: np.ndarray, k: int) -> tuple[int, np.ndarray | None]:
+        """Largest k' <= k whose blocks fit the free pool (step 1's, and with lookahead the whole
+        slice's, are already allocated), and the blocks each sequence then needs (None: none)."""
         free, bs = self.allocator.num_free, self.allocator.block_size
 
         def need(steps: int) -> np.ndarray:
             return np.maximum(-(-(c0 + np.minimum(left, steps)) // bs) - have, 0)
 
-        if int(need(k).sum()) <= free:
-            return k, need(k)
+        first = need(k)
+        total = int(first.sum())
+        if total == 0:
+            return k, None
+        if total <= free:
+            return k, first
         lo, hi = 1, k  # need(1) is all 0: step 1's blocks came with the plan
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if int(need(mid).sum()) <= free else (lo, mid - 1)
         return lo, need(lo)
-

@@ -61,6 +61,10 @@ class FittedProfile:
     host_bytes_per_s: float
     source: str
     fit: dict[str, Any] = field(default_factory=dict, compare=False)
+    # an offloaded engine's measured expert traffic (bench --calibrate --expert-memory): budgets,
+    # expert_bytes_from_disk / _from_host per generated token as the engine's stats report them,
+    # and per_forward [[tokens, host bytes, disk bytes], ...]; {} when every expert was resident
+    expert_traffic: dict[str, Any] = field(default_factory=dict)
     kind: str = "fitted"
 
     def __post_init__(self) -> None:

@@ -3,34 +3,38 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterable
+from itertools import islice
 
+from ..cluster.balance import CoroutineInfo
 from ..runtime.sequence import Sequence
-
-
-def _remaining(seq: Sequence) -> int:
-    return seq.remaining_tokens
 
 
 class WaitingQueue(deque):  # type: ignore[type-arg]
     """The scheduler's waiting deque, counting its rows by remaining tokens.
 
-    A waiting row generates nothing, so its remaining count is fixed while it waits; the counts
-    let a load report find the rows with most remaining without sorting thousands (a big
-    partition waits whole), with the same answer as sorting them all."""
+    A waiting row generates nothing and holds no KV, so what a load report says of it is fixed
+    while it waits: each row's CoroutineInfo is made once, when it joins, and the counts let a
+    report find the rows with most remaining without sorting thousands (a big partition waits
+    whole), with the same answer as sorting them all."""
 
     def __init__(self, items: Iterable[Sequence] = ()) -> None:
         super().__init__()
         self.counts: Counter[int] = Counter()
+        self.info: dict[Sequence, CoroutineInfo] = {}
         for item in items:
             self.append(item)
 
+    def _add(self, seq: Sequence) -> None:
+        info = self.info[seq] = CoroutineInfo(int(seq.seq_id), seq.remaining_tokens, 0)
+        self.counts[info.remaining] += 1
+
     def append(self, seq: Sequence) -> None:
         super().append(seq)
-        self.counts[_remaining(seq)] += 1
+        self._add(seq)
 
     def appendleft(self, seq: Sequence) -> None:
         super().appendleft(seq)
-        self.counts[_remaining(seq)] += 1
+        self._add(seq)
 
     def popleft(self) -> Sequence:
         seq = super().popleft()
@@ -42,7 +46,7 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
         self._drop(seq)
 
     def _drop(self, seq: Sequence) -> None:
-        key = _remaining(seq)
+        key = self.info.pop(seq).remaining
         self.counts[key] -= 1
         if not self.counts[key]:
             del self.counts[key]
@@ -51,10 +55,13 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
     def remaining_tokens(self) -> int:
         return sum(k * n for k, n in self.counts.items())
 
-    def most_remaining(self, limit: int) -> list[Sequence]:
-        """sorted(self, key=remaining, reverse=True)[:limit], ties in queue order."""
+    def most_remaining(self, limit: int) -> list[CoroutineInfo]:
+        """The report of sorted(self, key=remaining, reverse=True)[:limit], ties in queue order."""
+        info = self.info
         if len(self) <= limit:
-            return sorted(self, key=_remaining, reverse=True)
+            return sorted((info[s] for s in self), key=_remaining, reverse=True)
+        if len(self.counts) == 1:  # all alike (a partition not started): queue order
+            return [info[s] for s in islice(self, limit)]
         keep, threshold = 0, 0
         for key in sorted(self.counts, reverse=True):
             threshold = key
@@ -62,17 +69,21 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
             if keep >= limit:
                 break
         above = keep - self.counts[threshold]  # rows strictly above the threshold: all kept
-        picked: list[Sequence] = []
+        picked: list[CoroutineInfo] = []
         ties = limit - above
         seen_above = 0
         for seq in self:
-            r = _remaining(seq)
-            if r > threshold:
-                picked.append(seq)
+            c = info[seq]
+            if c.remaining > threshold:
+                picked.append(c)
                 seen_above += 1
-            elif r == threshold and ties:
-                picked.append(seq)
+            elif c.remaining == threshold and ties:
+                picked.append(c)
                 ties -= 1
             if not ties and seen_above == above:
                 break
         return sorted(picked, key=_remaining, reverse=True)
+
+
+def _remaining(c: CoroutineInfo) -> int:
+    return c.remaining
