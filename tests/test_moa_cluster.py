@@ -134,7 +134,7 @@ def test_always_aggregate_and_unknown_route(client: Client, models: dict[str, Pa
 
 
 def test_worker_killed_mid_job_loses_nothing(client: Client, models: dict[str, Path], alone: Callable) -> None:
-    client.wait_for_workers(2, timeout=60)
+    client.wait_for_workers(2, timeout=180)
     pdf = frame(12)
     sampling = {"llama": {"max_tokens": 48}, "twin": {"max_tokens": 48}, "qwen": {"max_tokens": 64},
                 "small": {"max_tokens": 24}}
@@ -142,14 +142,14 @@ def test_worker_killed_mid_job_loses_nothing(client: Client, models: dict[str, P
     result: dict[str, pd.DataFrame] = {}
     thread = threading.Thread(target=lambda: result.setdefault("out", job.generate(pdf)))
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180  # generous: the shared machine can be very busy
     while not job.stats.placements:  # the placement is made: tasks are going out
         assert time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(1.5)  # engines loaded and generating
     victim = sorted(client.scheduler_info()["workers"])[-1]
     os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
-    thread.join(timeout=240)
+    thread.join(timeout=600)
     assert not thread.is_alive()
     out = result["out"]
     assert list(out.index) == list(pdf.index)
