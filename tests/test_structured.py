@@ -104,13 +104,14 @@ def test_json_object_and_whitespace_option(engine: Engine, prompt_ids) -> None:
     assert len(space) == 1 and len(brace) == 1
     compiler = engine.grammars.compiler
     allowed = {}
-    for flexible in (False, True):
-        m = compiler.matcher(StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=not flexible))
+    for name, options in {"compact": {}, "any": {"disable_any_whitespace": False},
+                          "pattern": {"whitespace_pattern": "[ ]?"}}.items():
+        m = compiler.matcher(StructuredOutputsParams(json={"type": "object"}, **options))
         assert m.consume_token(brace[0])
         bits = torch.empty(1, (compiler.n_vocab + 31) // 32, dtype=torch.int32)
         m.unsafe_compute_mask_ptr(bits.data_ptr(), bits.shape[1] * 4)
-        allowed[flexible] = bool((bits[0, space[0] // 32] >> (space[0] % 32)) & 1)
-    assert allowed == {False: False, True: True}
+        allowed[name] = bool((bits[0, space[0] // 32] >> (space[0] % 32)) & 1)
+    assert allowed == {"compact": False, "any": True, "pattern": True}
 
 
 def test_choice_regex_and_grammar_rows_match_exactly(engine: Engine, prompt_ids) -> None:
@@ -269,3 +270,17 @@ def test_padded_vocabulary_masks_the_ids_past_the_tokenizer(checkpoint_factory, 
         assert out.error is None
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), SCHEMAS["array_enum"])
+
+
+def test_disable_additional_properties_closes_objects_that_do_not_say() -> None:
+    from batchgen.structured.compiler import _no_additional_properties
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
+                                               "c": {"type": "object", "additionalProperties": True},
+                                               "d": {"anyOf": [{"type": "object"}, {"type": "integer"}]}}}
+    out = _no_additional_properties(schema)
+    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["c"]["additionalProperties"] is True  # said explicitly: kept
+    assert out["properties"]["d"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in out["properties"]["d"]["anyOf"][1]
+    assert "additionalProperties" not in schema  # the caller's schema is not edited
