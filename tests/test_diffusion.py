@@ -55,10 +55,10 @@ def test_dit_matches_diffusers_mixed_batch(dit_dir):
 @pytest.mark.parametrize("sched", ["dpm", "euler", "ddpm"])
 def test_pixart_matches_diffusers_mixed_sizes_steps_guidance(pixart_dirs, sched):
     path = pixart_dirs[sched]
-    reqs = [ImageRequest(prompt="a red fox in the snow", height=16, width=24, num_inference_steps=8, guidance_scale=4.5, seed=0),
-            ImageRequest(prompt="the cat", height=16, width=24, num_inference_steps=5, guidance_scale=1.0, seed=2),
-            ImageRequest(prompt="the dog sleeps", height=32, width=16, num_inference_steps=6, guidance_scale=3.0, seed=3),
-            ImageRequest(prompt="a house", height=16, width=24, num_inference_steps=3, guidance_scale=2.0, seed=4)]
+    reqs = [ImageRequest(prompt="a red fox in the snow", height=16, width=24, num_inference_steps=6, guidance_scale=4.5, seed=0),
+            ImageRequest(prompt="the cat", height=16, width=24, num_inference_steps=4, guidance_scale=1.0, seed=2),
+            ImageRequest(prompt="the dog sleeps", height=32, width=16, num_inference_steps=5, guidance_scale=3.0, seed=3),
+            ImageRequest(prompt="a house", height=16, width=24, num_inference_steps=2, guidance_scale=2.0, seed=4)]
     engine = _pix_engine(path)
     outs = engine.generate_outputs(reqs)
     assert engine.num_forwards < engine.num_steps_taken

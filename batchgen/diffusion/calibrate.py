@@ -42,11 +42,24 @@ def time_forward(pipe, rows: int, latent: int, repeats: int = 3) -> float:  # no
 
 def fit(samples: Sequence[tuple[int, int, float]], base: CostModel | None = None) -> CostModel:
     """samples: (batch tokens, tokens per image, seconds) -> CostModel (non-negative terms)."""
+    import itertools
+
     a = np.array([[1.0, bt, bt * n] for bt, n, _ in samples])
     y = np.array([s for _, _, s in samples])
-    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    coef = np.maximum(coef, 0.0)
-    return replace(base or CostModel(), fixed=float(coef[0]), per_token=float(coef[1]), per_attn=float(coef[2]))
+    # non-negative least squares over 3 terms: the best fit among the column subsets whose
+    # unconstrained solution is non-negative (clipping a negative term would skew the others)
+    best, best_err = np.zeros(3), float("inf")
+    for k in (1, 2, 3):
+        for cols in itertools.combinations(range(3), k):
+            sub, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if (sub < 0).any():
+                continue
+            coef = np.zeros(3)
+            coef[list(cols)] = sub
+            err = float(np.sum((a @ coef - y) ** 2))
+            if err < best_err:
+                best, best_err = coef, err
+    return replace(base or CostModel(), fixed=float(best[0]), per_token=float(best[1]), per_attn=float(best[2]))
 
 
 def calibrate(pipe, rows: Sequence[int] = (1, 2, 4, 8), latents: Sequence[int] = (8, 16, 32)) -> CostModel:  # noqa: ANN001

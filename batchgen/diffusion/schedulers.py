@@ -14,7 +14,7 @@ from ..errors import UnsupportedModelError
 # deterministic: the image depends on the initial noise only.
 DETERMINISTIC = ("DDIMScheduler", "DPMSolverMultistepScheduler", "EulerDiscreteScheduler")
 # these draw noise every step from the trajectory's own generator (its RNG state travels).
-STOCHASTIC = ("DDPMScheduler", "EulerAncestralDiscreteScheduler")
+STOCHASTIC = ("DDPMScheduler",)
 SUPPORTED = DETERMINISTIC + STOCHASTIC
 
 
