@@ -1,4 +1,5 @@
-"""A simulated engine: the runtime's own Scheduler and BlockAllocator, with a cost model for time.
+"""A simulated engine: the runtime's own Scheduler (and its allocator, counting blocks), with a cost
+model for time.
 
 Every scheduling decision is `Scheduler.schedule()` (admission, chunked prefill, eviction by the
 configured policy) on real `Sequence` objects whose token lists are `range`s: the
@@ -12,8 +13,11 @@ policy reads only lengths. Between decisions the engine advances in slices:
   plans; tests/test_sim_engine.py checks this against the real calls.
   `exact` also cuts k at the first row that finishes. Otherwise (the default for fleet runs)
   rows that finish inside a slice give their seat and blocks back at its end: a slice is at most
-  `quantum_steps` long and ends once `finish_fraction` of its batch has finished, and the tests
-  bound the effect on completion time against the exact mode.
+  `quantum_steps` long and ends once `finish_fraction` of its batch has finished; and its
+  decision is `schedule(lookahead=k)`, which gives every row the KV of the whole slice up front
+  (at most `reserve_fraction` of the pool) and evicts now what those steps would evict, so a
+  KV-bound engine decides once a slice instead of each time its pool runs out. The tests bound
+  the effect on completion time against the exact mode.
 """
 from __future__ import annotations
 
