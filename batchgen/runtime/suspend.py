@@ -17,7 +17,8 @@ from .policy import prefer_transfer
 from .sequence import SeqId, SeqStatus, Sequence
 
 _VERSION = 1
-# Fields that belong to the engine holding the sequence, not to the coroutine.
+# Fields that belong to the engine holding the sequence, not to the coroutine (block hashes
+# depend on the engine's block size: the new engine recomputes them to find its own cache).
 _LOCAL = {"seq_id", "block_ids", "num_computed", "num_swapped", "status", "block_hashes", "num_registered_blocks"}
 
 
