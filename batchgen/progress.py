@@ -154,5 +154,6 @@ def _in_notebook() -> bool:
     if "ipykernel" not in sys.modules:  # the cheap common case: no import of tqdm.auto
         return False
     from tqdm.auto import tqdm
+    from tqdm.notebook import tqdm_notebook
 
-    return tqdm.__module__ == "tqdm.notebook"
+    return issubclass(tqdm, tqdm_notebook)
