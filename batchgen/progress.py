@@ -118,7 +118,9 @@ class TqdmDisplay:
     def show(self, snap: Snapshot, final: bool) -> None:
         if self._closed:
             return
-        self.bar.total = snap.total if snap.total else None
+        total = snap.total or None
+        if total != self.bar.total:
+            self.bar.reset(total=total)  # also sets the notebook widget's max
         self.bar.n = snap.done
         self.bar.set_postfix_str(snap.line(), refresh=False)
         self.bar.refresh()

@@ -116,6 +116,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--target", type=float, default=0.998, help="stop once the dev exact match reaches this")
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--stop-after", type=int, help="stop after this many steps (the schedule still spans --steps)")
+    ap.add_argument("--init", type=Path, help="start from this checkpoint (its tokenizer too) instead of from scratch")
     ap.add_argument("--dev", type=int, default=300, help="dev rows for the stop check")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy machine)")
     args = ap.parse_args()
@@ -123,7 +126,7 @@ def main() -> None:
     started = time.time()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    tok = build_tokenizer(args.vocab, args.seed)
+    tok = Tokenizer.from_file(str(args.init / "tokenizer.json")) if args.init else build_tokenizer(args.vocab, args.seed)
     config = {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": tok.get_vocab_size(),
         "hidden_size": args.hidden, "intermediate_size": args.inter, "num_hidden_layers": args.layers,
@@ -134,13 +137,14 @@ def main() -> None:
         "num_experts_per_tok": 2, "num_local_experts": args.experts, "output_router_logits": False,
         "router_aux_loss_coef": 0.01, "router_jitter_noise": 0.0, "torch_dtype": "float32",
     }
-    model = Mixtral(config)
+    model = load_checkpoint(args.init) if args.init else Mixtral(config)
+    config = model.cfg
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params:,} ({4 * n_params / 2**20:.1f} MiB fp32), vocab {config['vocab_size']}", flush=True)
 
     dev = batch([encode_pair(tok, d.text, d.iso) for d in messy_dates(args.dev, DEV_SEED)])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = 100
+    warmup = args.warmup
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
     rng = random.Random(args.seed)
@@ -148,7 +152,8 @@ def main() -> None:
     best = -1.0
     model.train()
     hits = 0
-    for step in range(1, args.steps + 1):
+    last = min(args.steps, args.stop_after or args.steps)
+    for step in range(1, last + 1):
         ids, mask, labels = batch([encode_pair(tok, d.text, d.iso)
                                    for d in (messy_date(rng) for _ in range(args.batch))])
         loss = loss_fn(model, ids, mask, labels, config["router_aux_loss_coef"])
@@ -157,7 +162,7 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % args.eval_every == 0 or step == args.steps:
+        if step % args.eval_every == 0 or step == last:
             acc = exact_match(model, dev)
             history.append({"step": step, "loss": round(loss.item(), 4), "dev_exact_match": acc,
                             "elapsed_s": round(time.time() - started, 1)})
@@ -193,10 +198,12 @@ def write_checkpoint(args: argparse.Namespace, model: Mixtral, tok: Tokenizer, c
     }
     (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     record = {"script": "scripts/train_demo_model.py",
-              "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"},
               "params": sum(p.numel() for p in model.parameters()), "steps": step,
               "train_examples": step * args.batch, "train_seconds": round(elapsed, 1),
               "torch_threads": args.threads, "history": history}
+    if args.init:  # the stage this one continued from, with its own record
+        record["init"] = json.loads((args.init / "training.json").read_text())
     (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     for f in tmp.iterdir():
         f.chmod(0o644)  # safetensors writes 0600; the package may be installed for other users
@@ -205,15 +212,13 @@ def write_checkpoint(args: argparse.Namespace, model: Mixtral, tok: Tokenizer, c
     tmp.rename(out_dir)
 
 
-def check_against_transformers(out_dir: Path, tok: Tokenizer) -> None:
-    """transformers' MixtralForCausalLM on the written checkpoint gives our logits (else raise)."""
-    from transformers import MixtralForCausalLM
-
+def load_checkpoint(path: Path) -> Mixtral:
+    """A checkpoint this script wrote, back into the plain-torch model (experts re-stacked)."""
     from safetensors.torch import load_file
 
-    config = json.loads((out_dir / "config.json").read_text())
+    config = json.loads((path / "config.json").read_text())
     ours = Mixtral(config)
-    state = load_file(str(out_dir / "model.safetensors"))
+    state = load_file(str(path / "model.safetensors"))
     stacked = {}
     for name, t in state.items():
         key = name.removeprefix("model.")
@@ -224,6 +229,14 @@ def check_against_transformers(out_dir: Path, tok: Tokenizer) -> None:
             ours.state_dict()[key].copy_(t)
     for key, parts in stacked.items():
         ours.state_dict()[key].copy_(torch.stack([parts[e] for e in sorted(parts)]))
+    return ours
+
+
+def check_against_transformers(out_dir: Path, tok: Tokenizer) -> None:
+    """transformers' MixtralForCausalLM on the written checkpoint gives our logits (else raise)."""
+    from transformers import MixtralForCausalLM
+
+    ours = load_checkpoint(out_dir)
     ref = MixtralForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     ids, mask, _ = batch([encode_pair(tok, d.text, d.iso) for d in messy_dates(16, DEV_SEED + 1)])
     with torch.no_grad():

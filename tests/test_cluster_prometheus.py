@@ -36,7 +36,7 @@ def per_worker(samples: dict[tuple[str, str], float], name: str) -> dict[str, fl
 
 def test_batchgen_metrics_on_the_scheduler_prometheus_endpoint(checkpoint_factory: Callable[..., Path]) -> None:
     ckpt = checkpoint_factory("mixtral")
-    n = 48
+    n = 64
     pdf = pd.DataFrame({"prompt": [f"row {i} says" for i in range(n)]})
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
             Client(cluster) as client:
@@ -47,7 +47,7 @@ def test_batchgen_metrics_on_the_scheduler_prometheus_endpoint(checkpoint_factor
         workers = sorted(client.scheduler_info()["workers"])
 
         out = dd.from_pandas(pdf, npartitions=4).map_partitions(
-            batchgen.generate, model=str(ckpt), temperature=0.0, ignore_eos=True, max_tokens=24,
+            batchgen.generate, model=str(ckpt), temperature=0.0, ignore_eos=True, max_tokens=32,
             engine_options={"kv_cache_bytes": 16 << 20})
         future = client.compute(out)
         busy: dict[str, float] = {}
@@ -68,7 +68,7 @@ def test_batchgen_metrics_on_the_scheduler_prometheus_endpoint(checkpoint_factor
             time.sleep(0.1)
         assert sum(rows.values()) == n
         tokens = per_worker(samples, "batchgen_worker_generated_tokens_total")
-        assert sum(tokens.values()) == result["num_generated_tokens"].sum() == 24 * n
+        assert sum(tokens.values()) == result["num_generated_tokens"].sum() == 32 * n
         for name in ("batchgen_worker_tokens_per_second", "batchgen_worker_kv_used_ratio",
                      "batchgen_worker_expert_hit_ratio", "batchgen_worker_migrated_in_total"):
             assert set(per_worker(samples, name)) == set(rows), name

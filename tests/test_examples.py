@@ -65,6 +65,9 @@ def test_notebook_runs_headless(tmp_path: Path) -> None:
     # the progress display is tqdm's notebook widget
     progress = outputs("batchgen.cluster.progress")
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in progress), progress
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    bars = [m["state"] for m in state.values() if m["model_name"] in ("FloatProgressModel", "IntProgressModel")]
+    assert any(b.get("max") == 24 and b.get("value") == 24 for b in bars), bars  # all rows, counted
     metrics = outputs("batchgen.cluster.metrics")
     html = next(o["data"]["text/html"] for o in metrics if "text/html" in o.get("data", {}))
     assert "rows_done" in html and "tokens_per_s" in html and "expert_hit_rate" in html

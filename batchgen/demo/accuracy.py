@@ -3,8 +3,7 @@
     python -m batchgen.demo.accuracy [--n 1000] [--seed 7] [--model DIR]
     measure(n=1000, seed=7, sampling=SamplingParams(temperature=0.0, max_tokens=16))
 
-Fresh dates come from batchgen.demo.dates with a seed the training never used (training: 0,
-tokenizer: 1, dev: 1000003). `sampling` is any SamplingParams (structured output included),
+Fresh dates come from batchgen.demo.dates with a seed the training never used (TRAINING_SEEDS). `sampling` is any SamplingParams (structured output included),
 so the same measurement reruns with a constraint on the answer.
 """
 from __future__ import annotations
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
     from ..engine import Engine
     from ..sampling_params import SamplingParams
 
-TRAINING_SEEDS = (0, 1, 1_000_003)
+TRAINING_SEEDS = (0, 1, 2, 1_000_003)  # stage 1 data, tokenizer, stage 2 data, dev
 
 
 def parse_iso(text: str) -> str | None:
