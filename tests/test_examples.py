@@ -40,20 +40,17 @@ def test_etl_cleaning(tmp_path: Path) -> None:
     assert re.search(r"(\d+) of 24 rows cleaned", proc.stdout)[1] == str(len(clean))
 
 
-def test_notebook_runs_headless(tmp_path: Path) -> None:
+def test_notebook_runs_headless(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(ROOT / "examples" / "notebook.ipynb", as_version=4)
-    env = _env(BATCHGEN_NOTEBOOK_ROWS="24", BATCHGEN_NOTEBOOK_WORKERS="1")
-    old = dict(os.environ)
-    os.environ.update(env)  # the kernel inherits this process's environment
-    try:
-        client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                         resources={"metadata": {"path": str(tmp_path)}})
-        client.execute()
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
+    # the kernel inherits this process's environment
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    monkeypatch.setenv("BATCHGEN_NOTEBOOK_ROWS", "24")
+    monkeypatch.setenv("BATCHGEN_NOTEBOOK_WORKERS", "1")
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
     cells = [c for c in nb.cells if c.cell_type == "code"]
     errors = [o for c in cells for o in c.outputs if o.output_type == "error"]
     assert not errors, errors
