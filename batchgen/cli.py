@@ -9,10 +9,8 @@ is kept: rerun with --resume).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,10 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "like a sampling field (max_tokens, temperature, ...) as that row's value")
     _add_sampling_flags(run)
 
-    demo = sub.add_parser("demo", help="build the small demo model and run a bundled file",
-                          description="Build the embedded demo model (random weights: the text "
-                          "is gibberish, the speed is real) and run 16 bundled requests.")
-    demo.add_argument("--output", type=Path, default=Path("demo_out/results.jsonl"),
+    demo = sub.add_parser("demo", help="clean a bundled table of messy dates with the shipped demo model",
+                          description="Run the shipped demo model (a tiny MoE trained to normalize "
+                          "messy dates to ISO 8601) on a bundled table of 300 rows, and score it "
+                          "against the table's answers.")
+    demo.add_argument("--rows", type=_positive, metavar="N", help="only the table's first N rows (default: all 300)")
+    demo.add_argument("--output", type=Path, default=Path("demo_out/results.parquet"),
                       metavar="FILE", help="where to write the results (default: %(default)s)")
     _add_engine_flags(demo)
     from batchgen.sim.cli import add_commands as add_sim_commands
@@ -293,28 +293,9 @@ def _leave_as_found(client: Client, ours: bool, engine_key: str) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from batchgen.demo import build_demo_model, default_demo_dir
-    from batchgen.io.spec import JobSpec
+    from batchgen.demo.run import run_demo
 
-    print("batchgen demo: building the demo model (once) ...", file=sys.stderr)
-    model = build_demo_model(default_demo_dir())
-    with resources.as_file(resources.files("batchgen") / "data" / "demo_prompts.jsonl") as src:
-        spec = JobSpec(input=src, output=args.output, overwrite=True)
-        spec.check()
-        summary = _execute(spec, model, args)
-        prompts = {r["custom_id"]: r["body"] for r in map(json.loads, _lines(src))}
-    for record in list(map(json.loads, _lines(args.output)))[:4]:
-        body = prompts[record["custom_id"]]
-        asked = body.get("prompt") or body["messages"][-1]["content"]
-        choice = record["response"]["body"]["choices"][0]
-        answer = choice["text"] if "text" in choice else choice["message"]["content"]
-        print(f"{record['custom_id']}: {asked!r}\n  -> {answer!r}")
-    print(f"batchgen demo: wrote {args.output}: {summary.describe()}")
-    return 0
-
-
-def _lines(path: Path) -> list[str]:
-    return path.read_text(encoding="utf-8").splitlines()
+    return run_demo(args, _execute)
 
 
 def _size(text: str) -> int:

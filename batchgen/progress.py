@@ -1,14 +1,13 @@
 """Progress of a batch job: rows done / total, tokens/s, ETA.
 
-One ``Progress`` object counts; a display shows it: a carriage-return bar on a terminal,
-periodic lines when stderr is a file or pipe (logs stay readable), a widget in a notebook when
-ipywidgets is installed. Thread-safe, so callbacks from another thread (a Dask client) can
-update it.
+One ``Progress`` object counts; a display shows it: a tqdm bar on a terminal, tqdm's notebook
+widget in Jupyter (``tqdm.auto``'s choice; needs ipywidgets), periodic plain lines when stderr is
+a file or pipe (a tqdm bar there is a stream of carriage returns: logs stay readable this way).
+Thread-safe, so callbacks from another thread (a Dask client) can update it.
 """
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import threading
 import time
@@ -95,28 +94,39 @@ class Progress:
 def make_display(mode: Mode, file: TextIO) -> Display | None:
     if mode == "auto":
         mode = "notebook" if _in_notebook() else "bar" if _isatty(file) else "lines"
-    if mode == "notebook":
-        return NotebookDisplay()
-    if mode == "bar":
-        return BarDisplay(file)
+    if mode in ("bar", "notebook"):
+        return TqdmDisplay(file, notebook=mode == "notebook")
     if mode == "lines":
         return LineDisplay(file)
     return None
 
 
-class BarDisplay:
-    """``\\r[######......]  120/1000 rows (12%) | 345.0 tok/s | 0:00:10 | ETA 0:01:23``"""
+class TqdmDisplay:
+    """``|████▌      | 120/1000 rows (12%) | 345.0 tok/s | 0:00:10 | ETA 0:01:23``: tqdm draws
+    (terminal width, redraw in place, the notebook widget); the counts and the text are ours,
+    so a resumed job's rows, tokens/s of this run and a backend's status read as in a log line."""
 
-    def __init__(self, file: TextIO, width: int = 24) -> None:
-        self.file, self.width = file, width
+    def __init__(self, file: TextIO, *, notebook: bool = False, width: int = 24) -> None:
+        if notebook:
+            from tqdm.notebook import tqdm
+        else:
+            from tqdm import tqdm
+        self.bar = tqdm(total=None, file=file, bar_format="|{bar:%d}| {postfix}" % width,
+                        dynamic_ncols=not notebook, leave=True, mininterval=0)
+        self._closed = False
 
     def show(self, snap: Snapshot, final: bool) -> None:
-        filled = int(self.width * snap.done / snap.total) if snap.total else 0
-        bar = f"[{'#' * filled}{'.' * (self.width - filled)}] " if snap.total else ""
-        cols = shutil.get_terminal_size((100, 20)).columns
-        text = (bar + snap.line())[: cols - 1]
-        self.file.write("\r" + text.ljust(cols - 1) + ("\n" if final else ""))
-        self.file.flush()
+        if self._closed:
+            return
+        total = snap.total or None
+        if total != self.bar.total:
+            self.bar.reset(total=total)  # also sets the notebook widget's max
+        self.bar.n = snap.done
+        self.bar.set_postfix_str(snap.line(), refresh=False)
+        self.bar.refresh()
+        if final:
+            self._closed = True
+            self.bar.close()
 
 
 class LineDisplay:
@@ -126,23 +136,6 @@ class LineDisplay:
     def show(self, snap: Snapshot, final: bool) -> None:
         self.file.write(f"progress: {snap.line()}\n")
         self.file.flush()
-
-
-class NotebookDisplay:
-    def __init__(self) -> None:
-        import ipywidgets
-        from IPython.display import display
-
-        self.bar = ipywidgets.IntProgress(min=0, max=1)
-        self.label = ipywidgets.Label()
-        display(ipywidgets.HBox([self.bar, self.label]))
-
-    def show(self, snap: Snapshot, final: bool) -> None:
-        self.bar.max = snap.total or max(snap.done, 1)
-        self.bar.value = snap.done
-        self.label.value = snap.line()
-        if final:
-            self.bar.bar_style = "success"
 
 
 def format_duration(seconds: float) -> str:
@@ -158,12 +151,11 @@ def _isatty(file: TextIO) -> bool:
 
 
 def _in_notebook() -> bool:
-    if "IPython" not in sys.modules:
+    """tqdm.auto's choice: its notebook widget in a Jupyter kernel with ipywidgets (without
+    ipywidgets tqdm warns and picks the console bar)."""
+    if "ipykernel" not in sys.modules:  # the cheap common case: no import of tqdm.auto
         return False
-    try:
-        import ipywidgets  # noqa: F401
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+    from tqdm.auto import tqdm
+    from tqdm.notebook import tqdm_notebook
+
+    return issubclass(tqdm, tqdm_notebook)

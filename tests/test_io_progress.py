@@ -1,4 +1,4 @@
-"""Progress display: a carriage-return bar on a terminal, periodic lines otherwise."""
+"""Progress display: a tqdm bar on a terminal, periodic lines otherwise, tqdm's widget in a notebook."""
 from __future__ import annotations
 
 import io
@@ -25,12 +25,19 @@ def test_bar_on_a_tty_redraws_in_place() -> None:
     buf = _Tty()
     p = Progress(4, file=buf, interval=0)
     p.update(1)
-    p.update(1)
+    p.update(1, tokens=10)
     p.close()
     p.close()  # idempotent
     text = buf.getvalue()
-    assert text.count("\r") == 3 and text.endswith("\n") and text.count("\n") == 1
-    assert "[############............] 2/4 rows" in text
+    frames = [f for f in text.rstrip("\n").split("\r") if "rows" in f]
+    # one line, redrawn in place: no newline until the end
+    assert text.endswith("\n") and text.count("\n") == 1 and len(frames) >= 3
+    assert "1/4 rows (25%)" in frames[0] and "ETA" in frames[0]
+    last = frames[-1]
+    assert "2/4 rows (50%)" in last and "tok/s" in last
+    # tqdm's bar: half of the 24 cells filled
+    bar = last[last.index("|") + 1:last.index("|", 1)]
+    assert len(bar) == 24 and bar[:12].strip() and not bar[12:].strip()
 
 
 def test_off_and_unknown_total() -> None:
@@ -47,3 +54,10 @@ def test_eta_counts_only_this_run() -> None:
     snap = Snapshot(done=60, total=100, tokens=500, elapsed=10.0, done_this_run=20)
     assert snap.eta == 20.0 and snap.tokens_per_s == 50.0
     assert format_duration(3725) == "1:02:05"
+
+
+def test_auto_mode_outside_a_notebook_is_a_bar_on_a_tty_and_lines_in_a_log() -> None:
+    from batchgen.progress import LineDisplay, TqdmDisplay, make_display
+
+    assert isinstance(make_display("auto", io.StringIO()), LineDisplay)
+    assert isinstance(make_display("auto", _Tty()), TqdmDisplay)

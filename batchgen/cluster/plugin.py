@@ -4,7 +4,8 @@ Workers push `Host.report()` every `push_interval` to the `batchgen_load` handle
 installs in `start()`; the reply carries the migration orders for that worker (from the pure
 policy in balance.py) and, when it changed, the set of live workers, from which owners learn
 that a holder of their coroutines is gone. `start()` also registers the worker plugin, so
-`Client.register_plugin(BalancePlugin())` is the whole setup; `close()` undoes both.
+`Client.register_plugin(BalancePlugin())` is the whole setup; `close()` undoes both. It also
+puts batchgen's per-worker figures on the scheduler's Prometheus endpoint (prometheus.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from distributed import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from . import prometheus
 from .balance import BalanceConfig, CoroutineInfo, EngineLoad, Migration, plan_migrations
 from .worker import WORKER_PLUGIN, BatchgenWorkerPlugin
 
@@ -64,10 +66,14 @@ class BalancePlugin(SchedulerPlugin):
         # model key -> the only workers that may start its engine (a placement's replicas, set by
         # batchgen.moa); other models may cold-start anywhere
         self.pinned: dict[str, frozenset[str]] = {}
+        self._collector: prometheus.BatchgenCollector | None = None
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         scheduler.handlers.update({"batchgen_load": self.handle_load, "batchgen_metrics": self.metrics})
+        collector = prometheus.BatchgenCollector(self.metrics)
+        if prometheus.register(collector):
+            self._collector = collector
         plugin = BatchgenWorkerPlugin(push_interval=self.push_interval)
         await scheduler.register_worker_plugin(None, dumps(plugin), name=WORKER_PLUGIN, idempotent=False)
 
@@ -76,6 +82,9 @@ class BalancePlugin(SchedulerPlugin):
         if scheduler is None:
             return
         self.scheduler = None
+        if self._collector is not None:
+            prometheus.unregister(self._collector)
+            self._collector = None
         # Workers first: their load pushes stop before the handler they call goes away (the other
         # order makes the scheduler log a "No handler batchgen_load" error per push in between).
         if WORKER_PLUGIN in scheduler.worker_plugins:
@@ -130,6 +139,7 @@ class BalancePlugin(SchedulerPlugin):
                 "kv_used": max((e["kv_used"] for e in engines.values()), default=0.0),
                 "tokens_per_s": sum(e["tokens_per_s"] for e in engines.values()),
                 "speed": sum(e.get("speed", 0.0) for e in engines.values()),
+                "expert_hit_rate": min((e.get("expert_hit_rate", 1.0) for e in engines.values()), default=1.0),
                 "jobs": view.report.get("jobs", 0),
                 "peak_jobs": view.report.get("peak_jobs", 0),
                 "age_s": time.monotonic() - view.received,

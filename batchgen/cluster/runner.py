@@ -59,6 +59,7 @@ class RunnerLoad:
     generated_tokens: int = 0
     movable: tuple[CoroutineInfo, ...] = ()
     speed: float = 0.0  # peak tokens/s while saturated, slowly forgotten; 0: never saturated yet
+    expert_hit_rate: float = 1.0  # routed experts found in device memory (1.0: all resident)
 
 
 Done = Callable[[list[tuple[RowRef, RequestOutput]]], None]
@@ -301,4 +302,12 @@ class EngineRunner:
                    for seq_id, remaining in load["remaining_by_seq"].items() if seq_id in self._tickets]
         self._load = RunnerLoad(True, load["waiting"], load["running"], float(load["kv_used_fraction"]),
                                 int(load["remaining_tokens"]), self._meter.tokens_per_s, generated,
-                                reported_movable(movable), self._meter.speed)
+                                reported_movable(movable), self._meter.speed, _expert_hit_rate(engine))
+
+
+def _expert_hit_rate(engine: Engine) -> float:
+    """Share of needed routed experts already in the device pool (1.0 with every expert resident)."""
+    store = engine.model.experts
+    if store is None or not store.stats.experts_needed:
+        return 1.0
+    return store.stats.device_hits / store.stats.experts_needed

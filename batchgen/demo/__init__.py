@@ -1,0 +1,27 @@
+"""The demo: a trained tiny MoE that normalizes messy dates (shipped), and the random-weight
+builder the tests use.
+
+    batchgen.demo.demo_model_dir()          # the trained checkpoint inside the package
+    batchgen.demo.DEMO_PROMPT.format(text="Sunday, March 7, 2021")
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .prompt import DEMO_INSTRUCTION, DEMO_MAX_TOKENS, DEMO_PROMPT, DEMO_STOP
+from .random_model import (
+    BOS_ID, CHAT_TEMPLATE, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID, SPECIAL_TOKENS, build_demo_model, corpus,
+    default_demo_dir, tokenizer_vocab_size, train_tokenizer,
+)
+
+
+def demo_model_dir() -> Path:
+    """The trained date-normalizing checkpoint shipped with batchgen (Hugging Face layout)."""
+    return Path(__file__).resolve().parent / "model"
+
+
+__all__ = [
+    "BOS_ID", "CHAT_TEMPLATE", "DEMO_INSTRUCTION", "DEMO_MAX_TOKENS", "DEMO_PROMPT", "DEMO_STOP", "EOS_ID",
+    "IM_END_ID", "IM_START_ID", "PAD_ID", "SPECIAL_TOKENS", "build_demo_model", "corpus", "default_demo_dir",
+    "demo_model_dir", "tokenizer_vocab_size", "train_tokenizer",
+]
