@@ -72,8 +72,9 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         m = self.model
-        batch = AttentionBatch(self.positions[:b], self.slots[:b], [], [],
-                               DecodeTables(self.rows[:b], self.tables[:b], self.lens[:b], self.block_size))
+        batch = AttentionBatch(self.positions[:b], self.slots[:b], [], [], block_size=self.block_size,
+                               decode_tables=DecodeTables(self.rows[:b], self.tables[:b], self.lens[:b],
+                                                          self.block_size))
         routed: list[torch.Tensor] = []
         hidden = m.embed(self.tokens[:b])
         for layer in range(m.num_layers):
