@@ -9,6 +9,7 @@ is kept: rerun with --resume).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -186,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from batchgen.io.spec import JobSpec
 
-    if (Path(args.model) / "model_index.json").is_file():  # a diffusers pipeline: image generation
+    if args.model and (Path(args.model) / "model_index.json").is_file():  # a diffusers pipeline: image generation
         from batchgen.diffusion.images_batch import run_cli
 
         return run_cli(args)

@@ -14,6 +14,11 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU the Triton kernels run in Triton's interpreter. Set here, before any test module
+# imports triton (diffusers and others import it at collection), since the mode is fixed then.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The CI box has 2 cores; more threads than cores only adds contention.
 torch.set_num_threads(min(torch.get_num_threads(), 2))
 

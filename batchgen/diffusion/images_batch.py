@@ -14,8 +14,6 @@ rules and `--resume` are those of the text batch format (io/openai_batch.py, io/
 from __future__ import annotations
 
 import base64
-import io
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..io.jsonl_sink import JsonlSink
-from ..io.openai_batch import _record, error_record, identify
+from ..io.openai_batch import _record, identify
 from ..io.request import NO_VALUE, Request, RowError
 from .engine import DiffusionEngine, ImageOutput
 from .request import ImageRequest

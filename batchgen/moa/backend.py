@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from ..io.job import JobSummary
     from ..io.spec import JobSpec
     from ..outputs import RequestOutput
-    from ..sampling_params import SamplingParams
 
 
 def parse_models(values: Sequence[str]) -> dict[str, str]:
