@@ -147,3 +147,23 @@ def test_resume_refuses_other_model_and_garbage(dit_dir, pixart_dirs):
         _pix_engine(pixart_dirs["dpm"]).resume(data)
     with pytest.raises(StateError):
         first.resume(b"not a state")
+
+
+def test_our_t5_encoder_and_tokenizer_equal_transformers(pixart_dirs):
+    """batchgen.diffusion.t5 (plain torch, `tokenizers`) against transformers' T5, the oracle:
+    the same ids and mask (padding, and truncation keeping </s> last) and the same embeddings."""
+    import transformers
+
+    from batchgen.diffusion.t5 import T5Encoder, T5Tokens
+
+    root = pixart_dirs["dpm"]
+    texts = ["a red fox", "", "the quick brown fox jumps over the lazy dog " * 8]
+    ref_tok = transformers.AutoTokenizer.from_pretrained(root / "tokenizer")
+    ref = ref_tok(texts, padding="max_length", max_length=tiny.T5_MAX_LENGTH, truncation=True, return_tensors="pt")
+    ids, mask = T5Tokens(root / "tokenizer").batch(texts, tiny.T5_MAX_LENGTH)
+    assert torch.equal(ids, ref.input_ids) and torch.equal(mask, ref.attention_mask)
+    ref_enc = transformers.T5EncoderModel.from_pretrained(root / "text_encoder").eval()
+    with torch.no_grad():
+        want = ref_enc(ref.input_ids, attention_mask=ref.attention_mask)[0]
+    got = T5Encoder(root / "text_encoder", torch.float32, "cpu")(ids, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -2,7 +2,7 @@
 
 Trajectories are coroutines whose yield points are denoising steps: explicit picklable state,
 combined into shared forwards at different timesteps, suspended and resumed anywhere.
-Needs the `batchgen[diffusion]` extra (diffusers, transformers, pillow). Names load lazily.
+Needs the `batchgen[diffusion]` extra (diffusers, pillow). Names load lazily.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ What is ours and what is diffusers' (the `batchgen[diffusion]` extra), part by p
   sequence parallelism needs the token axis between patch embedding and unpatchify.
 - schedulers: diffusers' (dozens of numerically fussy variants; exact agreement matters more
   than owning them); their state is read out and put back by schedulers.py.
-- T5 text encoder and tokenizer: transformers' (used once per request; nothing to gain).
+- T5 text encoder and tokenizer: ours (t5.py: plain torch over the safetensors, `tokenizers` over
+  tokenizer.json); transformers' T5 is the test oracle, not a runtime dependency.
 """
 from __future__ import annotations
 
@@ -141,13 +142,13 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
 
 
 def _load_text(pipe: Pipeline, root: Path, index: dict[str, Any], torch_dtype: Any, device: str) -> None:
-    import transformers
+    from .t5 import T5Encoder, T5Tokens
 
     enc_class = index["text_encoder"][1]
     if enc_class != "T5EncoderModel":
         raise UnsupportedModelError(f"{root}: text encoder class {enc_class!r} is not supported (expected T5EncoderModel)")
     try:
-        pipe.text_encoder = transformers.T5EncoderModel.from_pretrained(root / "text_encoder", dtype=torch_dtype).to(device).eval()
-        pipe.tokenizer = transformers.AutoTokenizer.from_pretrained(root / "tokenizer")
-    except (OSError, ValueError) as exc:
+        pipe.text_encoder = T5Encoder(root / "text_encoder", torch_dtype, device)
+        pipe.tokenizer = T5Tokens(root / "tokenizer")
+    except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"{root}: cannot load text encoder/tokenizer ({exc})") from exc
