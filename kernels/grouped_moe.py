@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_moe_inputs
-from .errors import KernelInputError
-from .reference import fused_moe_reference_into
+from .reference import check_slot_out, fused_moe_reference_into, sort_slots_by_expert, sum_over_choices
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -42,12 +41,7 @@ def fused_moe_grouped(
     """x: [T, K]; w13: [E, 2N, K]; w2: [E, K, N]; topk_weights: [T, A]; topk_ids: [T, A] -> [T, K].
 
     `fused_moe_reference`'s result, computed with two grouped GEMMs."""
-    T, K, E, N, A = check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
-    if T * A == 0:
-        return x.new_zeros(T, K)
-    slot_out = x.new_zeros(T * A, K)
-    fused_moe_grouped_into(slot_out, x, w13, w2, topk_weights, topk_ids)
-    return slot_out.view(T, A, K).sum(dim=1)
+    return sum_over_choices(fused_moe_grouped_into, x, w13, w2, topk_weights, topk_ids)
 
 
 def fused_moe_grouped_into(
@@ -64,16 +58,12 @@ def fused_moe_grouped_into(
         fused_moe_reference_into(slot_out, x, w13, w2, topk_weights, topk_ids)
         return
     T, K, E, N, A = check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
-    if slot_out.shape != (T * A, K) or slot_out.dtype != x.dtype:
-        raise KernelInputError(f"slot_out must be [{T * A}, {K}] {x.dtype}, got {list(slot_out.shape)} {slot_out.dtype}")
+    check_slot_out(slot_out, x, T * A, K)
     if T * A == 0:
         return
     # S = T*A slots, R routed slots
-    flat = topk_ids.reshape(-1).long()
-    key = torch.where((flat >= 0) & (flat < E), flat, E)
-    order = torch.argsort(key, stable=True)  # [S] grouped by expert, unrouted last
-    counts = torch.bincount(key, minlength=E + 1)  # [E + 1]
-    routed = int(flat.numel() - counts[E])
+    order, counts = sort_slots_by_expert(topk_ids, E)  # [S] grouped by expert, unrouted last; [E + 1]
+    routed = int(order.numel() - counts[E])
     if routed == 0:
         return
     order = order[:routed]  # [R]

@@ -6,6 +6,8 @@ the aligned blocks and contributes nothing to the output.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -103,14 +105,36 @@ def fused_moe_reference(
     cost is E small GEMMs, not T*A matrix-vector products. Arithmetic stays in x's dtype.
     Reads the per-expert counts on the host (a sync on GPU): meant for CPU.
     """
+    return sum_over_choices(fused_moe_reference_into, x, w13, w2, topk_weights, topk_ids)
+
+
+SlotsInto = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def sum_over_choices(into: SlotsInto, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """[T, K]: `into` (a `*_into` expert computation) writes every slot, then one sum over A.
+    Each expert writes its rows into their slots (a plain copy); index_add_ into [T, K] instead
+    serialises on CPU and was half of a decode step."""
     T, K, E, N, A = check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
     if T * A == 0:
         return x.new_zeros(T, K)
-    # Each expert writes its rows into their slots (a plain copy); one sum over A at the end.
-    # index_add_ into [T, K] instead serialises on CPU and was half of a decode step.
     slot_out = x.new_zeros(T * A, K)
-    fused_moe_reference_into(slot_out, x, w13, w2, topk_weights, topk_ids)
+    into(slot_out, x, w13, w2, topk_weights, topk_ids)
     return slot_out.view(T, A, K).sum(dim=1)
+
+
+def check_slot_out(slot_out: torch.Tensor, x: torch.Tensor, slots: int, K: int) -> None:
+    if slot_out.shape != (slots, K) or slot_out.dtype != x.dtype:
+        raise KernelInputError(f"slot_out must be [{slots}, {K}] {x.dtype}, got {list(slot_out.shape)} {slot_out.dtype}")
+
+
+def sort_slots_by_expert(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (order [S]: slots grouped by expert, ascending within one, unrouted last; counts [E + 1]:
+    slots per expert, the unrouted (ids outside [0, E)) in the last)."""
+    flat = topk_ids.reshape(-1).long()
+    key = torch.where((flat >= 0) & (flat < E), flat, E)
+    return torch.argsort(key, stable=True), torch.bincount(key, minlength=E + 1)
 
 
 def fused_moe_reference_into(
@@ -127,14 +151,11 @@ def fused_moe_reference_into(
     `fused_moe_reference`'s result: an expert's GEMMs see the same rows either way. This lets a
     caller compute the experts it has while others are still being read."""
     T, K, E, N, A = check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
-    if slot_out.shape != (T * A, K) or slot_out.dtype != x.dtype:
-        raise KernelInputError(f"slot_out must be [{T * A}, {K}] {x.dtype}, got {list(slot_out.shape)} {slot_out.dtype}")
+    check_slot_out(slot_out, x, T * A, K)
     if T * A == 0:
         return
-    flat = topk_ids.reshape(-1).long()
-    key = torch.where((flat >= 0) & (flat < E), flat, E)
-    order = torch.argsort(key, stable=True)  # [S] slots grouped by expert, ascending within one
-    counts = torch.bincount(key, minlength=E + 1)[:E].tolist()
+    order, per_expert = sort_slots_by_expert(topk_ids, E)  # [S] slots grouped by expert
+    counts = per_expert[:E].tolist()
     tokens = order // A  # [S] token of each sorted slot
     weights = topk_weights.reshape(-1).index_select(0, order).to(x.dtype)  # [S]
 
