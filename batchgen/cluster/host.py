@@ -2,23 +2,8 @@
 
 One Host per Dask worker (`worker.extensions["batchgen"]`) or, outside Dask, one per process.
 It keeps one EngineRunner per EngineSpec, so every partition that needs the same model on this
-worker joins one engine. Migration is three messages between hosts (see worker.py for the RPC
-handlers that call in here):
-
-    owner --adopt(states)--> holder          holder resumes the coroutines
-    holder --result(outputs)--> owner        the row is done; the owner drops the kept state
-    holder --bounce(states)--> owner         the holder gives rows back (closing, cannot resume)
-    holder --progress(states)--> owner       KV-less snapshots of the rows' progress (`push_progress`)
-    holder --forward(states, dst)--> owner   re-migration: the holder is told to pass rows on; the
-                                             owner records the new holder, then adopts them to it
-    owner --cancel(rows)--> holder           the owning task failed or ended: drop its rows
-
-The owner keeps each moved row's suspended state until its result arrives, replacing it with the
-holder's newer snapshots; when the holder leaves the cluster the owner resumes the row itself
-from the newest state it has (`recover`). A re-migration goes through the owner (two hops, not
-one) so that the owner always knows a row's holder before that holder has it: a direct
-holder-to-holder hand-off could die with the new holder before the owner heard of it. All
-sends go through a `Transport`; outside Dask there is none and nothing ever migrates.
+worker joins one engine. Rows migrate between hosts by the messages that messages.py lists (and
+worker.py's RPC handlers deliver here).
 """
 from __future__ import annotations
 
@@ -28,15 +13,16 @@ import pickle
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from ..errors import BatchgenError
 from ..outputs import RequestOutput
 from .balance import Migration
 from .engines import EngineSet
 from .job import PartitionJob
+from . import messages
+from .messages import Transport
 from .runner import EngineRunner, Request, RowRef, RunnerLoad
 from .spec import EngineSpec
 from .timeline import Timeline
@@ -47,15 +33,6 @@ logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 1.0
 # Cancelled (owner, job) pairs a holder remembers, to refuse their coroutines still in transit.
 _CANCELLED_KEPT = 1024
-
-
-class Transport(Protocol):
-    address: str
-
-    def send(self, address: str, op: str, msg: dict[str, Any],
-             on_error: Callable[[BaseException], None] | None = None) -> None:
-        """Fire-and-forget RPC `op(**msg)` to `address`; thread-safe; on_error runs on failure."""
-        ...
 
 
 @dataclass(slots=True)
@@ -161,7 +138,7 @@ class Host:
         for ref, out in done:
             if ref.owner is None:
                 self._deliver(ref.job_id, ref.row, out)
-        remote = _by_owner([(ref, [pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)])
+        remote = messages.by_owner([(ref, [pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)])
                             for ref, out in done if ref.owner is not None])
         for owner, jobs in remote.items():
             with self._lock:
@@ -225,7 +202,7 @@ class Host:
     def _forward(self, dst: str, spec: EngineSpec, items: list[tuple[RowRef, int, bytes]]) -> None:
         if self.transport is None:
             return
-        by_owner = _by_owner([(ref, [num_output, state]) for ref, num_output, state in items])
+        by_owner = messages.by_owner([(ref, [num_output, state]) for ref, num_output, state in items])
         with self._lock:
             self.counters.forwarded += len(items)
         for owner, jobs in by_owner.items():
@@ -374,7 +351,7 @@ class Host:
     def _send_progress(self, items: list[tuple[RowRef, int, bytes]]) -> None:
         if not items or self.transport is None:
             return
-        by_owner = _by_owner([(ref, [num_output, state]) for ref, num_output, state in items])
+        by_owner = messages.by_owner([(ref, [num_output, state]) for ref, num_output, state in items])
         with self._lock:
             self.counters.progress_sent += len(items)
         for owner, jobs in by_owner.items():
@@ -451,12 +428,3 @@ class Host:
             idle = not self._jobs
         if idle:
             self.engines.stop_all()
-
-
-def _by_owner(items: list[tuple[RowRef, list[Any]]]) -> dict[str, dict[str, list[list[Any]]]]:
-    """[(ref, fields)] of rows held for other workers -> {owner: {job_id: [[row, *fields]]}}, the
-    shape of the result / forward / progress messages."""
-    grouped: dict[str, dict[str, list[list[Any]]]] = defaultdict(lambda: defaultdict(list))
-    for ref, fields in items:
-        grouped[ref.owner][ref.job_id].append([ref.row, *fields])  # type: ignore[index]
-    return {owner: dict(jobs) for owner, jobs in grouped.items()}
