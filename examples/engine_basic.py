@@ -1,4 +1,5 @@
-"""The Engine API on the embedded demo model: batch generate, seeded sampling, suspend/resume.
+"""The Engine API on the trained demo model (it normalizes messy dates to YYYY-MM-DD): batch
+generate, per-row sampling, a bad row failing alone, suspend/resume.
 
     python examples/engine_basic.py [MODEL_DIR]
 """
@@ -7,33 +8,34 @@ from __future__ import annotations
 import sys
 
 from batchgen import Engine, SamplingParams
-from batchgen.demo import build_demo_model, default_demo_dir
+from batchgen.demo import DEMO_MAX_TOKENS, DEMO_PROMPT, demo_model_dir
 
 
 def main() -> None:
-    model_dir = sys.argv[1] if len(sys.argv) > 1 else build_demo_model(default_demo_dir())
+    model_dir = sys.argv[1] if len(sys.argv) > 1 else str(demo_model_dir())
     engine = Engine(model_dir, dtype="float32")
-    prompts = ["The capital of France is", "def fibonacci(n):", "", "Once upon a time"]
-    outs = engine.generate(prompts, [SamplingParams(max_tokens=24, temperature=0.0),
-                                     SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7),
-                                     SamplingParams(max_tokens=24),
-                                     SamplingParams(max_tokens=24, temperature=0.0, stop=["\n"])])
-    for prompt, out in zip(prompts, outs):
-        print(f"{prompt!r:28} -> {out.finish_reason:6} {out.error or repr(out.text)}")
+    texts = ["Sunday, March 7, 2021", "the 7th of June, 1999", "2004.11.30", "12/25/1987"]
+    greedy = SamplingParams(max_tokens=DEMO_MAX_TOKENS, temperature=0.0)
+    prompts = [DEMO_PROMPT.format(text=t) for t in texts] + [""]  # the empty prompt fails alone
+    params = [greedy, greedy, SamplingParams(max_tokens=DEMO_MAX_TOKENS, temperature=0.8, top_p=0.9, seed=7),
+              greedy, greedy]
+    for prompt, out in zip(texts + ["(empty)"], engine.generate(prompts, params)):
+        print(f"{prompt!r:26} -> {out.finish_reason:6} {out.error or repr(out.text)}")
 
     # A coroutine leaves one engine mid-generation and finishes in another with the same tokens.
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    seq_id = engine.add_request("Migrating coroutines", params)
-    for _ in range(5):
+    prompt = DEMO_PROMPT.format(text="the 3rd of August, 1961")
+    seq_id = engine.add_request(prompt, greedy)
+    for _ in range(4):
         engine.step()
     state = engine.suspend(seq_id)  # bytes: tokens, sampling state, maybe KV
     other = Engine(model_dir, dtype="float32")
     resumed = other.resume(state)
     while not other.get(resumed).is_finished:
         other.step()
-    moved = other.pop_output(resumed).token_ids
-    straight = engine.generate(["Migrating coroutines"], params)[0].token_ids
-    print(f"suspend/resume exact: {moved == straight} ({len(state)} bytes of state)")
+    moved = other.pop_output(resumed)
+    straight = engine.generate([prompt], greedy)[0]
+    print(f"suspend/resume exact: {moved.token_ids == straight.token_ids} ({len(state)} bytes of state): "
+          f"{straight.text!r}")
     print("stats:", engine.stats_summary())
 
 

@@ -73,3 +73,23 @@ def test_notebook_runs_headless(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     right = int(re.search(r"exact match: (\d+)/24", text)[1])
     assert right >= 21, text
     assert json.dumps(nb)  # executed notebook still valid JSON
+
+
+def test_engine_basic() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "engine_basic.py")], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the trained model's greedy answers, the empty prompt failing alone, the migrated row exact
+    assert "'Sunday, March 7, 2021'    -> stop   '2021-03-07'" in proc.stdout, proc.stdout
+    assert "'12/25/1987'               -> stop   '1987-12-25'" in proc.stdout, proc.stdout
+    assert re.search(r"'\(empty\)'\s+-> error\s+prompt must not be empty", proc.stdout), proc.stdout
+    assert "suspend/resume exact: True" in proc.stdout and "'1961-08-03'" in proc.stdout, proc.stdout
+
+
+def test_dask_dataframe_example() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "dask_dataframe.py"), "--rows", "16"],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    right, total = map(int, re.search(r"exact match: (\d+)/(\d+)", proc.stdout).groups())
+    assert total == 16 and right >= 14, proc.stdout
+    assert "cluster: {'rows_done': " in proc.stdout, proc.stdout  # as the workers last pushed it
