@@ -211,14 +211,15 @@ def test_skip_keys_and_blank_lines(tmp_path: Path, ctx: RowContext) -> None:
 
 def test_success_record_shapes(ctx: RowContext) -> None:
     out = RequestOutput(index=0, prompt_token_ids=[1, 2, 3], token_ids=[40, 41], text="ab",
-                        finish_reason="length", logprobs=[{40: -0.1, 7: -2.0}, {41: -0.2}])
+                        finish_reason="length", logprobs=[{40: -0.1, 7: -2.0}, {41: -0.2}], num_cached_tokens=2)
     comp = Request(key=("id", "c1"), where="line 1", number=1, custom_id="c1")
     rec = success_record(comp, out, "tiny", ctx.tokenizer)
     assert rec["id"].startswith("batch_req_") and rec["custom_id"] == "c1"
     assert rec["error"] is None and rec["response"]["status_code"] == 200
     body = rec["response"]["body"]
     assert body["object"] == "text_completion" and body["model"] == "tiny"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 2}}
     choice = body["choices"][0]
     assert (choice["index"], choice["text"], choice["finish_reason"]) == (0, "ab", "length")
     assert choice["logprobs"]["token_logprobs"] == [-0.1, -0.2]

@@ -154,7 +154,9 @@ def success_record(req: Request, out: RequestOutput, model: str,
         "model": model, "choices": [choice],
         "usage": {"prompt_tokens": out.num_prompt_tokens,
                   "completion_tokens": out.num_generated_tokens,
-                  "total_tokens": out.num_prompt_tokens + out.num_generated_tokens},
+                  "total_tokens": out.num_prompt_tokens + out.num_generated_tokens,
+                  # OpenAI's field: prompt tokens whose KV the prefix cache supplied
+                  "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}},
     }
     return _record(req, 200, body)
 
