@@ -9,7 +9,7 @@ import string
 import pytest
 
 from batchgen import Engine, SamplingParams
-from batchgen.demo import DEMO_INSTRUCTION, DEMO_PROMPT, demo_model_dir
+from batchgen.demo import DEMO_INSTRUCTION, DEMO_PROMPT, demo_model_dir, variant_dirs
 from batchgen.demo.accuracy import TRAINING_SEEDS, measure, parse_iso
 from batchgen.demo.dates import FORMATS, WEEKDAYS, messy_date, messy_dates, two_digit_year
 from batchgen.demo.table import make_rows, table_rows
@@ -66,11 +66,23 @@ def test_checkpoint_files_and_prompt() -> None:
     assert config["model_type"] == "mixtral" and config["num_local_experts"] > config["num_experts_per_tok"]
     fields = [f for _, f, _, _ in string.Formatter().parse(DEMO_PROMPT) if f is not None]
     assert fields == ["text"]
-    engine = Engine(path)
-    # the chat template of the shipped tokenizer gives the same prompt as DEMO_PROMPT
+
+
+@pytest.mark.parametrize("name", ["demo", *sorted(variant_dirs())])
+def test_chat_messages_give_the_tokens_of_demo_prompt(name: str) -> None:
+    # chat prompts are encoded without special tokens (as transformers does): the template's
+    # bos_token supplies the <s> a plain prompt gets, so both reach the model as it was trained
+    path = demo_model_dir() if name == "demo" else variant_dirs()[name]
+    tok = Engine(path).tokenizer
     text = " Sunday, March 7, 2021"
-    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_INSTRUCTION.format(text=text)}])
-    assert chat == DEMO_PROMPT.format(text=text)
+    messages = [{"role": "user", "content": DEMO_INSTRUCTION.format(text=text)}]
+    chat = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    plain = tok.encode(DEMO_PROMPT.format(text=text))
+    assert chat == plain and plain[0] == tok.bos_token_id
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(path).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert list(hf) == chat
 
 
 @pytest.fixture(scope="module")
