@@ -19,7 +19,7 @@ def brute_force(demand: dict[str, Demand], costs: dict[str, ModelCost], workers:
         work = [0.0] * len(workers)
         for (m, i), w in zip(items, choice):
             held[w].add(m)
-            work[w] += demand[m].tokens[i] * costs[m].seconds_per_token
+            work[w] += costs[m].seconds_per_row + demand[m].tokens[i] * costs[m].seconds_per_token
         if any(sum(costs[m].memory_bytes for m in h) > ws.memory_bytes for h, ws in zip(held, workers)):
             continue
         span = max(work[w] + sum(costs[m].load_s for m in held[w]) for w in range(len(workers)))
@@ -36,14 +36,15 @@ def check_valid(p, demand, costs, workers) -> None:
         assert set(ws) == {w for w, by in p.rows.items() if m in by}
 
 
-def random_case(rng: random.Random, rows: int) -> tuple[dict, dict, list]:
+def random_case(rng: random.Random, rows: int, per_row: bool = False) -> tuple[dict, dict, list]:
     n_models, n_workers = rng.choice([(2, 2), (3, 2), (2, 3), (3, 3)])
     names = [f"m{i}" for i in range(n_models)]
     demand: dict[str, list] = {m: [] for m in names}
     for r in range(rows):
         demand[rng.choice(names)].append((r, rng.choice([1, 5, 20, 60])))
     demand = {m: Demand.of(dict(rs)) for m, rs in demand.items()}
-    costs = {m: ModelCost(rng.choice([0.01, 0.05]), rng.choice([0.0, 0.3, 2.0]), rng.choice([4, 6])) for m in names}
+    costs = {m: ModelCost(rng.choice([0.01, 0.05]), rng.choice([0.0, 0.3, 2.0]), rng.choice([4, 6]),
+                          rng.choice([0.0, 0.1, 0.5]) if per_row else 0.0) for m in names}
     workers = [WorkerSlot(f"w{i}", rng.choice([10, 12, 100])) for i in range(n_workers)]
     return demand, costs, workers
 
@@ -51,7 +52,7 @@ def random_case(rng: random.Random, rows: int) -> tuple[dict, dict, list]:
 @pytest.mark.parametrize("seed", range(12))
 def test_ilp_is_optimal_against_brute_force(seed: int) -> None:
     rng = random.Random(seed)
-    demand, costs, workers = random_case(rng, rows=6)
+    demand, costs, workers = random_case(rng, rows=6, per_row=seed % 2 == 1)  # odd seeds: a cost per row too
     best = brute_force(demand, costs, workers)
     p = place(demand, costs, workers, "ilp")
     check_valid(p, demand, costs, workers)
@@ -136,3 +137,18 @@ def test_falls_back_within_the_time_limit() -> None:
 def test_empty_and_zero_demand() -> None:
     p = place({"m": Demand((), ())}, {"m": ModelCost(0.1)}, [WorkerSlot("a")])
     assert p.replicas == {} and p.makespan_s == 0.0
+
+
+def test_cost_per_row_moves_short_rows_off_the_long_model() -> None:
+    """Many 1-token rows cost more than their tokens say: with seconds_per_row the placement
+    sees the short model's rows as the work they are (and predicts it)."""
+    demand = {"long": Demand.of({i: 40 for i in range(20)}), "short": Demand.of({100 + i: 1 for i in range(200)})}
+    workers = [WorkerSlot("w0"), WorkerSlot("w1")]
+    tokens_only = {"long": ModelCost(0.01, 0.0), "short": ModelCost(0.01, 0.0)}
+    with_rows = {"long": ModelCost(0.01, 0.0, 0, 0.001), "short": ModelCost(0.01, 0.0, 0, 0.04)}
+    a = place(demand, tokens_only, workers, "round_robin")
+    b = place(demand, with_rows, workers, "round_robin")
+    assert a.makespan_s == pytest.approx(8.0) and b.makespan_s == pytest.approx(200 * 0.05)
+    p = place(demand, with_rows, workers, "ilp")
+    total = 20 * (0.001 + 0.4) + 200 * 0.05
+    assert p.makespan_s <= total / 2 + 0.41 and len(p.replicas["short"]) == 2

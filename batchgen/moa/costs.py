@@ -36,26 +36,40 @@ def cost_from_speed(model_dir: str | Path, tokens_per_s: float, load_s: float) -
     return ModelCost(1.0 / tokens_per_s, load_s, weight_bytes(model_dir))
 
 
-def profile_cost(model_dir: str | Path, *, rows: int = 32, max_tokens: int = 16,
-                 engine_options: dict | None = None) -> ModelCost:
-    """Measure a model here: the engine's load time and its generated tokens/s on `rows` rows
-    of `max_tokens` (ignore_eos, greedy) at once. Offline profiling, as MOSAIC does; run it on
-    the hardware the workers have, at the batch size the job will reach."""
+def profile_cost(model_dir: str | Path, *, rows: int = 128, max_tokens: int = 16, prompt_tokens: int = 8,
+                 repeat: int = 2, engine_options: dict | None = None) -> ModelCost:
+    """Measure a model here, at the batch the job reaches (`rows` at once; run it on the
+    hardware the workers have), as MOSAIC profiles offline:
+
+    - load_s: the engine's start plus its first batch of that size (a fresh replica pays the
+      first forwards' one-off costs: allocations, kernel selection), less one steady batch;
+    - seconds_per_token and seconds_per_row from batches of `max_tokens` and of 1 generated
+      token (greedy, ignore_eos; best of `repeat` each): time = rows x (per row + tokens x per
+      token), so a model of short answers is charged its prefill and per-row costs too.
+    """
     import time
 
     from ..engine import Engine
     from ..sampling_params import SamplingParams
 
+    def batch(engine: Engine, tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        prompts = [[1 + (i * 7 + j) % 50 for j in range(prompt_tokens)] for i in range(rows)]
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        return time.perf_counter() - start
+
+    max_tokens = max(1, max_tokens)
     start = time.perf_counter()
     engine = Engine(model_dir, **(engine_options or {}))
-    load_s = time.perf_counter() - start
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine.generate([[1, 2, 3]], params)  # warm-up
-        start = time.perf_counter()
-        outs = engine.generate([[1, 2, 3, 4 + i % 7] for i in range(rows)], params)
-        elapsed = time.perf_counter() - start
+        first = time.perf_counter() - start + batch(engine, max_tokens)
+        long = min(batch(engine, max_tokens) for _ in range(max(1, repeat)))
+        short = min(batch(engine, 1) for _ in range(max(1, repeat))) if max_tokens > 1 else long
     finally:
         engine.close()
-    tokens = sum(o.num_generated_tokens for o in outs)
-    return ModelCost(elapsed / max(1, tokens), load_s, weight_bytes(model_dir))
+    per_token = (long - short) / (rows * (max_tokens - 1)) if max_tokens > 1 else long / rows
+    per_row = short / rows - per_token if max_tokens > 1 else 0.0
+    if per_token <= 0:  # noise swamped the difference: charge the whole batch per token
+        per_token, per_row = long / (rows * max_tokens), 0.0
+    return ModelCost(per_token, max(0.0, first - long), weight_bytes(model_dir), max(0.0, per_row))

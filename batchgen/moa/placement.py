@@ -2,8 +2,11 @@
 no torch, no Dask, no clock; state in, a Placement out.
 
 A worker's expert-stage time is the sum over the models it holds of (load time + that model's
-work there), work being predicted tokens x seconds per token; the job's expert stage ends with
-its slowest worker (the makespan). `place` minimizes that makespan:
+work there), a row's work being seconds per row + its predicted tokens x seconds per token
+(both measured at the batch the engine reaches: see costs.profile_cost); the job's expert stage
+ends with its slowest worker (the makespan). Models sharing a worker share its cores: each
+runs slower by as much as the others take, so their work adds up (the sum), which is how the
+makespan charges them. `place` minimizes that makespan:
 
 - policy "ilp": a mixed-integer program (scipy.optimize.milp, HiGHS). Binaries x[m, w] (model m
   has a replica on worker w) and y[c, w] (chunk c of m's rows goes to w, y <= x); per worker
@@ -62,17 +65,28 @@ class Demand:
 
 @dataclass(frozen=True, slots=True)
 class ModelCost:
-    """Profiled cost of one model: seconds per token at full batch, seconds to load, bytes held."""
+    """Profiled cost of one model: seconds per generated token at full batch, seconds to load
+    (engine start and warm-up), bytes held, and seconds per row whatever its length (prefill,
+    admission, detokenizing and returning it: what makes a model of short answers cost more
+    than its tokens say)."""
 
     seconds_per_token: float
     load_s: float = 0.0
     memory_bytes: int = 0
+    seconds_per_row: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("seconds_per_token", "load_s", "memory_bytes"):
+        for name in ("seconds_per_token", "load_s", "memory_bytes", "seconds_per_row"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise PlacementError(f"ModelCost.{name} must be finite and >= 0, got {value!r}")
+
+    def row_s(self, tokens: float) -> float:
+        """Predicted seconds of one row of `tokens` predicted tokens."""
+        return self.seconds_per_row + tokens * self.seconds_per_token
+
+    def work_s(self, demand: Demand) -> float:
+        return len(demand.rows) * self.seconds_per_row + demand.total * self.seconds_per_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +161,8 @@ def _check(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers
 
 
 # -- rows onto replicas ----------------------------------------------------------------------------
-def _chunks(d: Demand, n: int) -> list[list[int]]:
-    """Row indices dealt into at most n chunks of near-equal tokens (largest row first)."""
+def _chunks(d: Demand, n: int, cost: ModelCost) -> list[list[int]]:
+    """Row indices dealt into at most n chunks of near-equal work (largest row first)."""
     order = sorted(range(len(d.rows)), key=lambda i: (-d.tokens[i], i))
     if len(order) <= n:
         return [[i] for i in order]
@@ -157,7 +171,7 @@ def _chunks(d: Demand, n: int) -> list[list[int]]:
     for i in order:
         k = min(range(n), key=lambda j: (sums[j], j))
         chunks[k].append(i)
-        sums[k] += d.tokens[i]
+        sums[k] += cost.row_s(d.tokens[i])
     return chunks
 
 
@@ -167,12 +181,12 @@ def _spread(d: Demand, cost: ModelCost, replicas: Sequence[str], base: dict[str,
     the replica that would finish first counting what it already has (`base`, updated)."""
     if units is None:
         units = [[i] for i in range(len(d.rows))]
-    sized = sorted(((sum(d.tokens[i] for i in u), u) for u in units), key=lambda su: (-su[0], su[1][:1]))
+    sized = sorted(((sum(cost.row_s(d.tokens[i]) for i in u), u) for u in units), key=lambda su: (-su[0], su[1][:1]))
     out: dict[str, list[int]] = {w: [] for w in replicas}
-    for tokens, unit in sized:
+    for work, unit in sized:
         w = min(replicas, key=lambda w: (base[w], w))
         out[w].extend(unit)
-        base[w] += tokens * cost.seconds_per_token
+        base[w] += work
     return out
 
 
@@ -184,11 +198,11 @@ def _finish(policy: str, replicas: dict[str, list[str]], demand: Mapping[str, De
     replicas left without rows are dropped (and not charged their load)."""
     base = {w.name: 0.0 for w in workers}
     if assign is None:
-        for m in sorted(replicas, key=lambda m: -demand[m].total * costs[m].seconds_per_token):
+        for m in sorted(replicas, key=lambda m: -costs[m].work_s(demand[m])):
             for w in replicas[m]:
                 base[w] += costs[m].load_s
         assign = {}
-        for m in sorted(replicas, key=lambda m: -demand[m].total * costs[m].seconds_per_token):
+        for m in sorted(replicas, key=lambda m: -costs[m].work_s(demand[m])):
             assign[m] = _spread(demand[m], costs[m], replicas[m], base, (units or {}).get(m))
     rows: dict[str, dict[str, tuple[Hashable, ...]]] = {w.name: {} for w in workers}
     worker_s = {w.name: 0.0 for w in workers}
@@ -199,7 +213,7 @@ def _finish(policy: str, replicas: dict[str, list[str]], demand: Mapping[str, De
             if not idx:
                 continue
             rows[w][m] = tuple(d.rows[i] for i in idx)
-            worker_s[w] += costs[m].load_s + costs[m].seconds_per_token * sum(d.tokens[i] for i in idx)
+            worker_s[w] += costs[m].load_s + sum(costs[m].row_s(d.tokens[i]) for i in idx)
             used.setdefault(m, []).append(w)
     order = {w.name: i for i, w in enumerate(workers)}
     reps = {m: tuple(sorted(ws, key=order.__getitem__)) for m, ws in used.items()}
@@ -245,7 +259,7 @@ def _greedy(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str,
     time (on the bottleneck's models) while they lower the predicted makespan. Trials are
     judged on chunks; the answer spreads single rows. None when first-fit packing leaves a
     model without room (the program may still find a packing)."""
-    work = {m: demand[m].total * costs[m].seconds_per_token for m in models}
+    work = {m: costs[m].work_s(demand[m]) for m in models}
     mem = {w.name: 0.0 for w in workers}
     replicas: dict[str, list[str]] = {}
     load = {w.name: 0.0 for w in workers}
@@ -287,7 +301,7 @@ def _caps(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, M
     hand) model m can have at most (n * bound - work - the other models' one load each) / load[m]
     replicas: a cap that never cuts off a better placement. Also at most one per chunk, and the
     caller's `max_replicas`."""
-    total = sum(demand[m].total * costs[m].seconds_per_token for m in models)
+    total = sum(costs[m].work_s(demand[m]) for m in models)
     loads = sum(costs[m].load_s for m in models)
     caps: dict[str, int] = {}
     for m in models:
@@ -306,7 +320,7 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
     from scipy.sparse import lil_array
 
     start = time.perf_counter()
-    chunks = {m: _chunks(demand[m], per_model) for m in models}
+    chunks = {m: _chunks(demand[m], per_model, costs[m]) for m in models}
     if not models:
         return _finish("ilp", {}, demand, costs, workers, "ilp", optimal=True)
     greedy = _greedy(models, demand, costs, workers, _caps(models, demand, costs, len(workers), chunks, given),
@@ -320,7 +334,7 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
     y0 = len(models) * W
     t = y0 + len(flat) * W
     n = t + 1
-    work = [costs[m].seconds_per_token * sum(demand[m].tokens[i] for i in c) for m, c in flat]
+    work = [sum(costs[m].row_s(demand[m].tokens[i]) for i in c) for m, c in flat]
     rows: list[tuple[dict[int, float], float, float]] = []
     for k, (m, _) in enumerate(flat):
         rows.append(({y0 + k * W + w: 1.0 for w in range(W)}, 1.0, 1.0))  # each chunk somewhere
