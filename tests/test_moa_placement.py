@@ -54,10 +54,13 @@ def test_ilp_is_optimal_against_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     demand, costs, workers = random_case(rng, rows=6, per_row=seed % 2 == 1)  # odd seeds: a cost per row too
     best = brute_force(demand, costs, workers)
-    p = place(demand, costs, workers, "ilp")
+    p = place(demand, costs, workers, "ilp", gap=0.0)
     check_valid(p, demand, costs, workers)
-    assert p.solver == "ilp" and p.optimal
+    assert p.optimal and p.solver in ("ilp", "greedy")  # greedy: it met the lower bound
     assert p.makespan_s == pytest.approx(best, rel=1e-9, abs=1e-9)
+    near = place(demand, costs, workers, "ilp")  # the default gap: within 1% of the optimum
+    check_valid(near, demand, costs, workers)
+    assert best - 1e-9 <= near.makespan_s <= best * 1.01 + 1e-9
     for policy in ("round_robin", "data_parallel"):
         try:
             other = place(demand, costs, workers, policy)
@@ -124,7 +127,7 @@ def test_falls_back_within_the_time_limit() -> None:
     costs = {m: ModelCost(rng.choice([0.001, 0.003, 0.01]), 0.2, 1) for m in demand}
     workers = [WorkerSlot(f"w{i}") for i in range(16)]
     start = time.perf_counter()
-    p = place(demand, costs, workers, time_limit_s=0.05)
+    p = place(demand, costs, workers, time_limit_s=0.05, gap=0.0)
     elapsed = time.perf_counter() - start
     check_valid(p, demand, costs, workers)
     assert p.solver in ("greedy", "ilp-incumbent") and not p.optimal
@@ -152,3 +155,15 @@ def test_cost_per_row_moves_short_rows_off_the_long_model() -> None:
     p = place(demand, with_rows, workers, "ilp")
     total = 20 * (0.001 + 0.4) + 200 * 0.05
     assert p.makespan_s <= total / 2 + 0.41 and len(p.replicas["short"]) == 2
+
+
+def test_no_solver_when_greedy_meets_the_lower_bound() -> None:
+    """Equal rows of one model over two workers: the greedy split is provably optimal, so the
+    solver is not run (its time would only add to the stage)."""
+    demand = {"m": Demand.of({i: 10 for i in range(40)})}
+    costs = {"m": ModelCost(0.01, 0.0)}
+    p = place(demand, costs, [WorkerSlot("w0"), WorkerSlot("w1")], "ilp", gap=0.0)
+    assert p.solver == "greedy" and p.optimal and "lower bound" in p.note
+    assert p.makespan_s == pytest.approx(2.0)
+    with pytest.raises(PlacementError, match="gap"):
+        place(demand, costs, [WorkerSlot("w0")], "ilp", gap=1.5)

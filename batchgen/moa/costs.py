@@ -37,15 +37,18 @@ def cost_from_speed(model_dir: str | Path, tokens_per_s: float, load_s: float) -
 
 
 def profile_cost(model_dir: str | Path, *, rows: int = 128, max_tokens: int = 16, prompt_tokens: int = 8,
-                 repeat: int = 2, engine_options: dict | None = None) -> ModelCost:
+                 repeat: int = 3, engine_options: dict | None = None) -> ModelCost:
     """Measure a model here, at the batch the job reaches (`rows` at once; run it on the
     hardware the workers have), as MOSAIC profiles offline:
 
-    - load_s: the engine's start plus its first batch of that size (a fresh replica pays the
-      first forwards' one-off costs: allocations, kernel selection), less one steady batch;
-    - seconds_per_token and seconds_per_row from batches of `max_tokens` and of 1 generated
-      token (greedy, ignore_eos; best of `repeat` each): time = rows x (per row + tokens x per
-      token), so a model of short answers is charged its prefill and per-row costs too.
+    - seconds_per_token and seconds_per_row from batches of n = max(max_tokens, 16) generated
+      tokens and of 1 (greedy, ignore_eos; interleaved, best of `repeat` each, so a load
+      spike from elsewhere does not land in one of them only): time = rows x (per row +
+      tokens x per token), so a model of short answers is charged its prefill and per-row
+      costs too;
+    - load_s: the engine's start plus what its first batch took beyond a steady one (the
+      first forwards' one-off costs: allocations, kernel selection, graph capture), the
+      smaller of two starts (the first also pays imports a warmed-up worker has paid).
     """
     import time
 
@@ -59,17 +62,23 @@ def profile_cost(model_dir: str | Path, *, rows: int = 128, max_tokens: int = 16
         engine.generate(prompts, params)
         return time.perf_counter() - start
 
-    max_tokens = max(1, max_tokens)
-    start = time.perf_counter()
-    engine = Engine(model_dir, **(engine_options or {}))
-    try:
-        first = time.perf_counter() - start + batch(engine, max_tokens)
-        long = min(batch(engine, max_tokens) for _ in range(max(1, repeat)))
-        short = min(batch(engine, 1) for _ in range(max(1, repeat))) if max_tokens > 1 else long
-    finally:
-        engine.close()
-    per_token = (long - short) / (rows * (max_tokens - 1)) if max_tokens > 1 else long / rows
-    per_row = short / rows - per_token if max_tokens > 1 else 0.0
-    if per_token <= 0:  # noise swamped the difference: charge the whole batch per token
-        per_token, per_row = long / (rows * max_tokens), 0.0
-    return ModelCost(per_token, max(0.0, first - long), weight_bytes(model_dir), max(0.0, per_row))
+    n = max(16, max_tokens)
+    starts: list[tuple[float, float]] = []  # (engine start, its first batch of n)
+    for _ in range(2):
+        begin = time.perf_counter()
+        engine = Engine(model_dir, **(engine_options or {}))
+        built = time.perf_counter() - begin
+        try:
+            starts.append((built, batch(engine, n)))
+            if len(starts) == 2:
+                long = short = float("inf")
+                for _ in range(max(1, repeat)):
+                    long, short = min(long, batch(engine, n)), min(short, batch(engine, 1))
+        finally:
+            engine.close()
+    per_token = (long - short) / (rows * (n - 1))
+    per_row = short / rows - per_token
+    if per_token <= 0 or per_row < 0:  # noise swamped the difference: charge it all per token
+        per_token, per_row = long / (rows * n), 0.0
+    load_s = min(built + max(0.0, first - long) for built, first in starts)
+    return ModelCost(per_token, load_s, weight_bytes(model_dir), per_row)

@@ -15,8 +15,11 @@ makespan charges them. `place` minimizes that makespan:
   (largest first), so small jobs are solved row by row (exact) and large ones stay a few
   thousand binaries. The replica cap bounds each model's replicas by its work over its load
   time (a replica that loads for longer than the work it takes over cannot pay for itself) and
-  by its chunks. The solver runs under `time_limit_s`; if it has no answer by then, or a worse
-  one than the greedy placement, the greedy one is used, and `Placement.solver` says which.
+  by its chunks. The solver runs under `time_limit_s`, and no longer than the most it could
+  save (greedy makespan - a lower bound); it stops within `gap` (1%) of the optimum and is
+  skipped when the greedy placement is within `gap` of the lower bound already;
+  if it has no answer in time, or a worse one than the greedy placement, the greedy one is
+  used, and `Placement.solver` / `note` say which.
 - policy "round_robin": model i on worker i mod N (the next one with room), all its rows there.
 - policy "data_parallel": every model on every worker, each model's rows dealt round-robin.
 
@@ -35,6 +38,7 @@ from ..errors import BatchgenError
 
 Policy = Literal["ilp", "round_robin", "data_parallel"]
 POLICIES: tuple[str, ...] = ("ilp", "round_robin", "data_parallel")
+GAP = 0.01  # relative optimality gap at which the solver may stop (see place)
 
 
 class PlacementError(BatchgenError):
@@ -105,7 +109,7 @@ class Placement:
     replicas: dict[str, tuple[str, ...]]
     rows: dict[str, dict[str, tuple[Hashable, ...]]]
     worker_s: dict[str, float]  # predicted expert-stage seconds per worker
-    solver: str = ""  # "ilp" (proved optimal) | "ilp-incumbent" (time limit) | "greedy" | policy name
+    solver: str = ""  # "ilp" (proved within `gap`) | "ilp-incumbent" (time limit) | "greedy" | policy name
     solve_s: float = 0.0
     note: str = ""  # why the fallback was used, if it was
     optimal: bool = False
@@ -127,10 +131,17 @@ class Placement:
 
 def place(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot],
           policy: Policy = "ilp", *, time_limit_s: float = 5.0, chunks_per_model: int | None = None,
-          max_replicas: Mapping[str, int] | None = None) -> Placement:
+          max_replicas: Mapping[str, int] | None = None, gap: float = GAP) -> Placement:
     """Place the models of `demand` on `workers` and split their rows, minimizing the predicted
     expert-stage makespan (see the module docstring). Models with no rows are not placed.
-    Raises PlacementError when a model fits no worker or the models cannot all be held."""
+    gap: the solver stops once its placement is proven within this fraction of the optimum
+    (0: prove it optimal), and is not run at all when the greedy placement is already within
+    it of a lower bound: profiled costs are not more exact than a percent, and the solve time
+    is part of the stage; for the same reason, with gap > 0, it runs no longer than the most
+    it could save (the greedy makespan less the lower bound), nor than `time_limit_s`. Raises PlacementError when a model fits no worker or the models
+    cannot all be held."""
+    if not (0.0 <= gap < 1.0):
+        raise PlacementError(f"gap must be in [0, 1), got {gap!r}")
     if policy not in POLICIES:
         raise PlacementError(f"placement policy {policy!r} unknown; use one of {', '.join(POLICIES)}")
     _check(demand, costs, workers)
@@ -140,7 +151,7 @@ def place(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers:
     if policy == "data_parallel":
         return _data_parallel(models, demand, costs, workers)
     return _ilp(models, demand, costs, workers, time_limit_s,
-                chunks_per_model or max(8, 4 * len(workers)), dict(max_replicas or {}))
+                chunks_per_model or max(8, 4 * len(workers)), dict(max_replicas or {}), gap)
 
 
 def _check(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot]) -> None:
@@ -313,18 +324,36 @@ def _caps(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, M
     return caps
 
 
-def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost],
-         workers: Sequence[WorkerSlot], time_limit_s: float, per_model: int, given: dict[str, int]) -> Placement:
-    import numpy as np
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_array
+def _lower_bound(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost],
+                 n_workers: int) -> float:
+    """No placement beats this: the workers share all the work and at least one load per
+    model; and some worker loads each model and runs its largest row."""
+    spread = sum(costs[m].work_s(demand[m]) + costs[m].load_s for m in models) / n_workers
+    single = max(costs[m].load_s + costs[m].row_s(max(demand[m].tokens)) for m in models)
+    return max(spread, single)
 
+
+def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost],
+         workers: Sequence[WorkerSlot], time_limit_s: float, per_model: int, given: dict[str, int],
+         gap: float) -> Placement:
     start = time.perf_counter()
     chunks = {m: _chunks(demand[m], per_model, costs[m]) for m in models}
     if not models:
         return _finish("ilp", {}, demand, costs, workers, "ilp", optimal=True)
     greedy = _greedy(models, demand, costs, workers, _caps(models, demand, costs, len(workers), chunks, given),
                      chunks)
+    bound = _lower_bound(models, demand, costs, len(workers))
+    if greedy is not None and greedy.makespan_s <= bound * (1.0 + gap) + 1e-12:
+        return _replace(greedy, time.perf_counter() - start,
+                        f"within {100 * (greedy.makespan_s / bound - 1) if bound else 0:.2g}% of a lower bound: "
+                        "no solver needed", optimal=greedy.makespan_s <= bound + 1e-12)
+
+    if greedy is not None and gap > 0:  # solving longer than the most it could save only adds to the stage
+        time_limit_s = min(time_limit_s, greedy.makespan_s - bound)
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_array
+
     caps = _caps(models, demand, costs, len(workers), chunks, given,
                  greedy.makespan_s if greedy is not None else math.inf)
     W = len(workers)
@@ -363,7 +392,7 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
     ub[t] = np.inf
     res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
                bounds=Bounds(np.zeros(n), ub), options={"time_limit": max(0.01, time_limit_s), "disp": False,
-                                                              "mip_rel_gap": 1e-6})
+                                                              "mip_rel_gap": max(gap, 1e-9)})
     solve_s = time.perf_counter() - start
     if res.x is None:
         if res.status == 2:  # proven infeasible: memory
@@ -378,15 +407,17 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
     for k, (m, chunk) in enumerate(flat):
         w = int(np.argmax(res.x[y0 + k * W: y0 + (k + 1) * W]))
         assign[m].setdefault(workers[w].name, []).extend(chunk)
-    solver = "ilp" if res.status == 0 else "ilp-incumbent"
-    found = _finish("ilp", {}, demand, costs, workers, solver, assign, solve_s=solve_s, optimal=res.status == 0)
+    solver = "ilp" if res.status == 0 else "ilp-incumbent"  # 0: optimal within `gap`
+    found = _finish("ilp", {}, demand, costs, workers, solver, assign, solve_s=solve_s,
+                    optimal=res.status == 0 and gap == 0)
     if greedy is not None and found.makespan_s > greedy.makespan_s + 1e-12:
         return _replace(greedy, solve_s, f"solver's best after {time_limit_s:g} s was worse than greedy")
     return found
 
 
-def _replace(p: Placement, solve_s: float, note: str) -> Placement:
-    return Placement(p.policy, p.replicas, p.rows, p.worker_s, solver="greedy", solve_s=solve_s, note=note)
+def _replace(p: Placement, solve_s: float, note: str, optimal: bool = False) -> Placement:
+    return Placement(p.policy, p.replicas, p.rows, p.worker_s, solver="greedy", solve_s=solve_s, note=note,
+                     optimal=optimal)
 
 
 __all__ = ["Demand", "ModelCost", "Placement", "PlacementError", "Policy", "POLICIES", "WorkerSlot", "place"]

@@ -82,6 +82,8 @@ class ModelPool:
             if not Path(spec.model, "config.json").is_file():
                 raise BatchgenError(f"model {name!r}: {spec.model} is not a model directory (no config.json)")
         self.client, self.policy = client, placement
+        if placement == "ilp":  # scipy.optimize takes a second or two to import: not inside the first plan()
+            threading.Thread(target=_import_solver, name="batchgen-import-scipy", daemon=True).start()
         self.costs = dict(costs or {})
         self.worker_memory, self.retries = worker_memory, retries
         self.rows_per_task = None if rows_per_task is None else max(1, rows_per_task)
@@ -310,6 +312,13 @@ def _run_local(spec: EngineSpec, requests: list[tuple[Any, Any]]) -> list[Reques
     from ..cluster.generate import run_requests
 
     return run_requests(spec, requests)
+
+
+def _import_solver() -> None:
+    try:
+        import scipy.optimize  # noqa: F401
+    except ImportError:  # place() says so when it needs it
+        pass
 
 
 def _takes_n_workers(client: Client) -> bool:
