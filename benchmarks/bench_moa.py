@@ -154,7 +154,7 @@ def main() -> None:
         costs = profile(models)
         print("profiled:", {n: (f"{1 / c.seconds_per_token:.0f} tok/s", f"load {c.load_s:.2f} s")
                             for n, c in costs.items()}, flush=True)
-        run(models, client, frame(8), "data_parallel", 0.6, costs)  # warm-up: imports on the workers
+        run(models, client, frame(8), "ilp", 0.6, costs)  # warm-up: first imports on the workers and here
         configs = [("round_robin", 0.0), ("ilp", 0.0), ("ilp", float("inf")), ("ilp", 1.0), ("ilp", 0.6),
                    ("round_robin", float("inf"))]
         if args.expert_only:

@@ -17,9 +17,13 @@ def brute_force(demand: dict[str, Demand], costs: dict[str, ModelCost], workers:
     for choice in itertools.product(range(len(workers)), repeat=len(items)):
         held: list[set[str]] = [set() for _ in workers]
         work = [0.0] * len(workers)
+        tokens: dict[tuple[int, str], list[float]] = {}
         for (m, i), w in zip(items, choice):
             held[w].add(m)
             work[w] += costs[m].seconds_per_row + demand[m].tokens[i] * costs[m].seconds_per_token
+            tokens.setdefault((w, m), []).append(demand[m].tokens[i])
+        for (w, m), ts in tokens.items():  # forwards: the longest row, or the batches the tokens fill
+            work[w] += costs[m].seconds_per_step * max(max(ts), sum(ts) / costs[m].max_batch)
         if any(sum(costs[m].memory_bytes for m in h) > ws.memory_bytes for h, ws in zip(held, workers)):
             continue
         span = max(work[w] + sum(costs[m].load_s for m in held[w]) for w in range(len(workers)))
@@ -44,7 +48,9 @@ def random_case(rng: random.Random, rows: int, per_row: bool = False) -> tuple[d
         demand[rng.choice(names)].append((r, rng.choice([1, 5, 20, 60])))
     demand = {m: Demand.of(dict(rs)) for m, rs in demand.items()}
     costs = {m: ModelCost(rng.choice([0.01, 0.05]), rng.choice([0.0, 0.3, 2.0]), rng.choice([4, 6]),
-                          rng.choice([0.0, 0.1, 0.5]) if per_row else 0.0) for m in names}
+                          rng.choice([0.0, 0.1, 0.5]) if per_row else 0.0,
+                          rng.choice([0.0, 0.005, 0.02]) if per_row else 0.0, rng.choice([2, 3, 100]) if per_row else 256)
+             for m in names}
     workers = [WorkerSlot(f"w{i}", rng.choice([10, 12, 100])) for i in range(n_workers)]
     return demand, costs, workers
 
@@ -52,7 +58,7 @@ def random_case(rng: random.Random, rows: int, per_row: bool = False) -> tuple[d
 @pytest.mark.parametrize("seed", range(12))
 def test_ilp_is_optimal_against_brute_force(seed: int) -> None:
     rng = random.Random(seed)
-    demand, costs, workers = random_case(rng, rows=6, per_row=seed % 2 == 1)  # odd seeds: a cost per row too
+    demand, costs, workers = random_case(rng, rows=6, per_row=seed % 2 == 1)  # odd seeds: costs per row and per forward too
     best = brute_force(demand, costs, workers)
     p = place(demand, costs, workers, "ilp", gap=0.0)
     check_valid(p, demand, costs, workers)
@@ -167,3 +173,17 @@ def test_no_solver_when_greedy_meets_the_lower_bound() -> None:
     assert p.makespan_s == pytest.approx(2.0)
     with pytest.raises(PlacementError, match="gap"):
         place(demand, costs, [WorkerSlot("w0")], "ilp", gap=1.5)
+
+
+def test_forwards_keep_a_small_job_on_one_replica() -> None:
+    """A forward's fixed cost: 20 rows fill no batch of 64, so a second replica would run all 40
+    forwards again, on the worker the other model needs; with rows that fill batches the model
+    is split again."""
+    workers = [WorkerSlot("w0"), WorkerSlot("w1")]
+    costs = {"m": ModelCost(0.0001, 0.0, 0, 0.0, 0.01, 64), "other": ModelCost(0.001)}
+    demand = {"m": Demand.of({i: 40 for i in range(20)}), "other": Demand.of({100 + i: 1 for i in range(400)})}
+    small = place(demand, costs, workers, "ilp", gap=0.0)
+    assert len(small.replicas["m"]) == 1 and small.makespan_s == pytest.approx(0.4 + 20 * 40 * 0.0001)
+    big = place({"m": Demand.of({i: 40 for i in range(1280)})}, costs, workers, "ilp", gap=0.0)
+    assert len(big.replicas["m"]) == 2
+    assert big.makespan_s == pytest.approx(0.01 * 640 * 40 / 64 + 640 * 40 * 0.0001)

@@ -39,46 +39,50 @@ def cost_from_speed(model_dir: str | Path, tokens_per_s: float, load_s: float) -
 def profile_cost(model_dir: str | Path, *, rows: int = 128, max_tokens: int = 16, prompt_tokens: int = 8,
                  repeat: int = 3, engine_options: dict | None = None) -> ModelCost:
     """Measure a model here, at the batch the job reaches (`rows` at once; run it on the
-    hardware the workers have), as MOSAIC profiles offline:
-
-    - seconds_per_token and seconds_per_row from batches of n = max(max_tokens, 16) generated
-      tokens and of 1 (greedy, ignore_eos; interleaved, best of `repeat` each, so a load
-      spike from elsewhere does not land in one of them only): time = rows x (per row +
-      tokens x per token), so a model of short answers is charged its prefill and per-row
-      costs too;
-    - load_s: the engine's start plus what its first batch took beyond a steady one (the
-      first forwards' one-off costs: allocations, kernel selection, graph capture), the
-      smaller of two starts (the first also pays imports a warmed-up worker has paid).
+    hardware the workers have), as MOSAIC profiles offline. A batch of r rows of k generated
+    tokens is taken to cost r x per row + k x (per forward + r x per token): batches of
+    n = max(max_tokens, 16) and of 1 tokens, at r = rows and at rows / 4 (greedy, ignore_eos;
+    interleaved, best of `repeat` each, so a load spike from elsewhere does not land in one
+    of them only) give the three, so a model of short answers is charged its prefill and
+    per-row costs, and a replica with a small batch its forwards (`max_batch` = rows).
+    load_s: the engine's start plus what its first batch took beyond a steady one (the first
+    forwards' one-off costs: allocations, kernel selection, graph capture), the smaller of
+    two starts (the first also pays imports a warmed-up worker has paid).
     """
     import time
 
     from ..engine import Engine
     from ..sampling_params import SamplingParams
 
-    def batch(engine: Engine, tokens: int) -> float:
+    def batch(engine: Engine, r: int, tokens: int) -> float:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        prompts = [[1 + (i * 7 + j) % 50 for j in range(prompt_tokens)] for i in range(rows)]
+        prompts = [[1 + (i * 7 + j) % 50 for j in range(prompt_tokens)] for i in range(r)]
         start = time.perf_counter()
         engine.generate(prompts, params)
         return time.perf_counter() - start
 
-    n = max(16, max_tokens)
-    starts: list[tuple[float, float]] = []  # (engine start, its first batch of n)
+    rows, n = max(4, rows), max(16, max_tokens)
+    quarter = rows // 4
+    starts: list[tuple[float, float]] = []  # (engine start, its first batch)
+    best: dict[tuple[int, int], float] = {}
     for _ in range(2):
         begin = time.perf_counter()
         engine = Engine(model_dir, **(engine_options or {}))
         built = time.perf_counter() - begin
         try:
-            starts.append((built, batch(engine, n)))
+            starts.append((built, batch(engine, rows, n)))
             if len(starts) == 2:
-                long = short = float("inf")
                 for _ in range(max(1, repeat)):
-                    long, short = min(long, batch(engine, n)), min(short, batch(engine, 1))
+                    for key in ((rows, n), (rows, 1), (quarter, n), (quarter, 1)):
+                        best[key] = min(best.get(key, float("inf")), batch(engine, *key))
         finally:
             engine.close()
-    per_token = (long - short) / (rows * (n - 1))
-    per_row = short / rows - per_token
-    if per_token <= 0 or per_row < 0:  # noise swamped the difference: charge it all per token
-        per_token, per_row = long / (rows * n), 0.0
-    load_s = min(built + max(0.0, first - long) for built, first in starts)
-    return ModelCost(per_token, load_s, weight_bytes(model_dir), per_row)
+    full = (best[rows, n] - best[rows, 1]) / (n - 1)  # per forward + rows x per token
+    small = (best[quarter, n] - best[quarter, 1]) / (n - 1)
+    per_token = (full - small) / (rows - quarter)
+    per_step = full - rows * per_token
+    if per_token <= 0 or per_step < 0:  # noise swamped the difference: no fixed cost per forward
+        per_token, per_step = max(full, 1e-12) / rows, 0.0
+    per_row = max(0.0, (best[rows, 1] - per_step) / rows - per_token)
+    load_s = min(built + max(0.0, first - best[rows, n]) for built, first in starts)
+    return ModelCost(per_token, load_s, weight_bytes(model_dir), per_row, per_step, rows)

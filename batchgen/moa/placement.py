@@ -6,11 +6,15 @@ work there), a row's work being seconds per row + its predicted tokens x seconds
 (both measured at the batch the engine reaches: see costs.profile_cost); the job's expert stage
 ends with its slowest worker (the makespan). Models sharing a worker share its cores: each
 runs slower by as much as the others take, so their work adds up (the sum), which is how the
-makespan charges them. `place` minimizes that makespan:
+makespan charges them. A forward also has a fixed cost (`seconds_per_step`) whatever its
+batch: a replica runs max(its longest row, its tokens / max_batch) forwards, so splitting a
+model whose rows do not fill two batches costs more forwards (small jobs stay on one replica). `place` minimizes that makespan:
 
 - policy "ilp": a mixed-integer program (scipy.optimize.milp, HiGHS). Binaries x[m, w] (model m
   has a replica on worker w) and y[c, w] (chunk c of m's rows goes to w, y <= x); per worker
-  sum_m mem[m] x[m, w] <= mem[w] and sum (load[m] x[m, w] + work[c] y[c, w]) <= T; minimize T.
+  sum_m mem[m] x[m, w] <= mem[w] and sum (load[m] x[m, w] + work[c] y[c, w] + step[m] s[m, w]) <= T,
+  s[m, w] >= longest[c] y[c, w] and >= sum_c tokens[c] y[c, w] / max_batch[m] (continuous:
+  the forwards m runs on w); minimize T.
   Each model's rows are dealt into at most `chunks_per_model` chunks of near-equal work
   (largest first), so small jobs are solved row by row (exact) and large ones stay a few
   thousand binaries. The replica cap bounds each model's replicas by its work over its load
@@ -78,9 +82,16 @@ class ModelCost:
     load_s: float = 0.0
     memory_bytes: int = 0
     seconds_per_row: float = 0.0
+    # A forward's fixed cost, whatever its batch, and the batch the engine runs at most: a
+    # replica runs max(its longest row's tokens, its tokens / max_batch) forwards, so half the
+    # rows on each of two replicas costs more than all of them on one until both batches are full.
+    seconds_per_step: float = 0.0
+    max_batch: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("seconds_per_token", "load_s", "memory_bytes", "seconds_per_row"):
+        if not (isinstance(self.max_batch, int) and self.max_batch >= 1):
+            raise PlacementError(f"ModelCost.max_batch must be an int >= 1, got {self.max_batch!r}")
+        for name in ("seconds_per_token", "load_s", "memory_bytes", "seconds_per_row", "seconds_per_step"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise PlacementError(f"ModelCost.{name} must be finite and >= 0, got {value!r}")
@@ -90,7 +101,14 @@ class ModelCost:
         return self.seconds_per_row + tokens * self.seconds_per_token
 
     def work_s(self, demand: Demand) -> float:
+        """Rows' work, without the forwards' fixed cost (steps_s)."""
         return len(demand.rows) * self.seconds_per_row + demand.total * self.seconds_per_token
+
+    def steps_s(self, tokens: Sequence[float]) -> float:
+        """The forwards' fixed cost of one replica running rows of these predicted tokens."""
+        if not tokens or self.seconds_per_step == 0:
+            return 0.0
+        return self.seconds_per_step * max(max(tokens), sum(tokens) / self.max_batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +242,8 @@ def _finish(policy: str, replicas: dict[str, list[str]], demand: Mapping[str, De
             if not idx:
                 continue
             rows[w][m] = tuple(d.rows[i] for i in idx)
-            worker_s[w] += costs[m].load_s + sum(costs[m].row_s(d.tokens[i]) for i in idx)
+            worker_s[w] += (costs[m].load_s + sum(costs[m].row_s(d.tokens[i]) for i in idx)
+                            + costs[m].steps_s([d.tokens[i] for i in idx]))
             used.setdefault(m, []).append(w)
     order = {w.name: i for i, w in enumerate(workers)}
     reps = {m: tuple(sorted(ws, key=order.__getitem__)) for m, ws in used.items()}
@@ -328,8 +347,10 @@ def _lower_bound(models: list[str], demand: Mapping[str, Demand], costs: Mapping
                  n_workers: int) -> float:
     """No placement beats this: the workers share all the work and at least one load per
     model; and some worker loads each model and runs its largest row."""
-    spread = sum(costs[m].work_s(demand[m]) + costs[m].load_s for m in models) / n_workers
-    single = max(costs[m].load_s + costs[m].row_s(max(demand[m].tokens)) for m in models)
+    spread = sum(costs[m].work_s(demand[m]) + costs[m].load_s + costs[m].steps_s(demand[m].tokens)
+                 for m in models) / n_workers  # replicas' forwards add up to at least one replica's
+    single = max(costs[m].load_s + costs[m].row_s(max(demand[m].tokens)) + costs[m].steps_s([max(demand[m].tokens)])
+                 for m in models)
     return max(spread, single)
 
 
@@ -361,7 +382,10 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
     xi = {(m, w): i * W + w for i, m in enumerate(models) for w in range(W)}
     flat = [(m, c) for m in models for c in chunks[m]]
     y0 = len(models) * W
-    t = y0 + len(flat) * W
+    stepped = [m for m in models if costs[m].seconds_per_step > 0]
+    s0 = y0 + len(flat) * W  # s[m, w]: forwards model m runs on w (continuous), for stepped models
+    si = {(m, w): s0 + i * W + w for i, m in enumerate(stepped) for w in range(W)}
+    t = s0 + len(stepped) * W
     n = t + 1
     work = [sum(costs[m].row_s(demand[m].tokens[i]) for i in c) for m, c in flat]
     rows: list[tuple[dict[int, float], float, float]] = []
@@ -369,6 +393,15 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
         rows.append(({y0 + k * W + w: 1.0 for w in range(W)}, 1.0, 1.0))  # each chunk somewhere
         for w in range(W):
             rows.append(({y0 + k * W + w: 1.0, xi[m, w]: -1.0}, -np.inf, 0.0))  # only on a replica
+            if m in si:  # s >= the chunk's longest row wherever the chunk goes
+                rows.append(({y0 + k * W + w: max(demand[m].tokens[i] for i in flat[k][1]), si[m, w]: -1.0},
+                             -np.inf, 0.0))
+    for m in stepped:  # s >= the tokens there / max_batch
+        for w in range(W):
+            coefs = {y0 + k * W + w: sum(demand[m].tokens[i] for i in c) / costs[m].max_batch
+                     for k, (mm, c) in enumerate(flat) if mm == m}
+            coefs[si[m, w]] = -1.0
+            rows.append((coefs, -np.inf, 0.0))
     for m in models:
         rows.append(({xi[m, w]: 1.0 for w in range(W)}, 1.0, float(caps[m])))
     for w, slot in enumerate(workers):
@@ -376,6 +409,7 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
             rows.append(({xi[m, w]: float(costs[m].memory_bytes) for m in models}, -np.inf, float(slot.memory_bytes)))
         time_row = {xi[m, w]: costs[m].load_s for m in models}
         time_row.update({y0 + k * W + w: work[k] for k in range(len(flat))})
+        time_row.update({si[m, w]: costs[m].seconds_per_step for m in stepped})
         time_row[t] = -1.0
         rows.append((time_row, -np.inf, 0.0))
     A = lil_array((len(rows), n))
@@ -387,9 +421,9 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
     c = np.zeros(n)
     c[t] = 1.0
     integrality = np.ones(n)
-    integrality[t] = 0
+    integrality[s0:] = 0
     ub = np.ones(n)
-    ub[t] = np.inf
+    ub[s0:] = np.inf
     res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
                bounds=Bounds(np.zeros(n), ub), options={"time_limit": max(0.01, time_limit_s), "disp": False,
                                                               "mip_rel_gap": max(gap, 1e-9)})
