@@ -8,8 +8,8 @@ weights (they always agree), so rows routed to both reach confidence 2/3 and ski
 at skip_threshold 0.6; at 1.0 only rows whose three answers agree skip; inf never skips; 0.0
 skips every row (no aggregator at all: the expert stage alone, for the placement comparison).
 Each run starts with no engine loaded (release between runs), so load times count as in a job.
-Costs come from profiling each model in the driver first (profile_cost, at a batch of 128 rows:
-the batch the job's engines reach); one warm-up job pays the workers' first imports. Each
+Costs come from profiling each model in the driver (profile_cost, at a batch of 128 rows: the
+batch the job's engines reach), after one warm-up job has paid the workers' first imports. Each
 configuration runs --repeat times, interleaved; best of them. Besides wall seconds, each run
 reports each worker's CPU seconds and the driver's (the driver holds the scheduler too): on a
 shared machine wall time follows what others run, and the busiest worker's CPU seconds is the
@@ -151,10 +151,13 @@ def main() -> None:
         models = build(Path(tmp))
         bc.connect(client=client, push_interval=0.2)
         pdf = frame(args.rows)
+        # warm-up (estimated costs): first imports on the workers and here, before profiling, so
+        # the workers' start does not land in the profile's batches
+        run(models, client, frame(8), "ilp", 0.6, None)
         costs = profile(models)
-        print("profiled:", {n: (f"{1 / c.seconds_per_token:.0f} tok/s", f"load {c.load_s:.2f} s")
+        print("profiled:", {n: (f"{1 / c.seconds_per_token:.0f} tok/s", f"{c.seconds_per_row * 1e3:.2f} ms/row",
+                                f"{c.seconds_per_step * 1e3:.1f} ms/forward", f"load {c.load_s:.2f} s")
                             for n, c in costs.items()}, flush=True)
-        run(models, client, frame(8), "ilp", 0.6, costs)  # warm-up: first imports on the workers and here
         configs = [("round_robin", 0.0), ("ilp", 0.0), ("ilp", float("inf")), ("ilp", 1.0), ("ilp", 0.6),
                    ("round_robin", float("inf"))]
         if args.expert_only:
