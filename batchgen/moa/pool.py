@@ -15,10 +15,10 @@ per (worker, model); a worker holds several when the placement puts several mode
 Outside Dask every model runs in this process (`cluster.worker.local_host`), all at once.
 
 `results()` yields (key, RequestOutput) as tasks finish and keeps going while more rows are
-submitted meanwhile (how the MoA aggregator stage starts before the proposers end). The tasks
-that finished meanwhile are gathered in one call (a Dask future's `.result()` is a round trip
-through the client's event loop: one per task cost the driver more CPU than the placement
-saves on a small machine).
+submitted meanwhile (how the MoA aggregator stage starts before the proposers end). A task's
+result is fetched as it finishes (fetching them later in batches saved driver CPU, but a result
+whose worker died before the fetch is recomputed on that worker, for which a strictly
+restricted task waits forever; with tasks sized by group there are few fetches anyway).
 
 Task size: a task is a round trip (scheduler, worker thread, result) and its rows join the
 engine together, so tiny tasks cost CPU and feed the engine in dribbles; one task per group
@@ -88,7 +88,7 @@ class ModelPool:
         self.worker_memory, self.retries = worker_memory, retries
         self.rows_per_task = None if rows_per_task is None else max(1, rows_per_task)
         self.time_limit_s = time_limit_s
-        self._done: queue.SimpleQueue[tuple[list[Hashable], Any]] = queue.SimpleQueue()  # (keys, finished future)
+        self._done: queue.SimpleQueue[tuple[list[Hashable], list[RequestOutput] | BaseException]] = queue.SimpleQueue()
         self._pending = 0  # tasks submitted and not yet taken from _done
         self._lock = threading.Lock()
         self._pinned: set[str] = set()
@@ -214,7 +214,12 @@ class ModelPool:
             if entry is not None:
                 by_model = self.finished_s.setdefault(entry[2], {})
                 by_model[entry[1]] = time.monotonic() - self._started
-        self._done.put((keys, fut))  # its result is fetched in results(), with the others done by then
+        try:
+            exc = fut.exception()
+            result: list[RequestOutput] | BaseException = exc if exc is not None else fut.result()
+        except BaseException as exc:  # noqa: BLE001 - a cancelled future: its rows fail
+            result = exc
+        self._done.put((keys, result))
 
     def _resend_lost(self) -> None:
         """Send again the tasks whose worker left (a restricted task would wait for it forever)."""
@@ -248,45 +253,19 @@ class ModelPool:
                 self._last_check = time.monotonic()
                 self._resend_lost()
             try:
-                done = [self._done.get(timeout=0.5)]
+                keys, result = self._done.get(timeout=0.5)
             except queue.Empty:
                 continue
-            while True:
-                try:
-                    done.append(self._done.get_nowait())
-                except queue.Empty:
-                    break
             with self._lock:
-                self._pending -= len(done)
-            for keys, result in zip((k for k, _ in done), self._gather([f for _, f in done])):
-                if isinstance(result, BaseException):
-                    message = f"{type(result).__name__}: {result}"
-                    for i, key in enumerate(keys):
-                        yield key, RequestOutput(i, [], [], "", "error", message)
-                    continue
-                if len(result) != len(keys):
-                    raise RuntimeError(f"a batchgen task returned {len(result)} outputs for {len(keys)} rows")
-                yield from zip(keys, result)
-
-    def _gather(self, futures: list[Any]) -> list[list[RequestOutput] | BaseException]:
-        """Each finished future's result, or its exception: the Dask ones that succeeded in one
-        `client.gather` (one round trip), the others one by one (failures: rare)."""
-        out: list[list[RequestOutput] | BaseException | None] = [None] * len(futures)
-        ok = [i for i, f in enumerate(futures) if self.client is not None and getattr(f, "status", None) == "finished"]
-        if ok:
-            try:
-                for i, result in zip(ok, self.client.gather([futures[i] for i in ok])):  # type: ignore[union-attr]
-                    out[i] = result
-            except BaseException:  # noqa: BLE001 - one was lost meanwhile: fetch each alone below
-                pass
-        for i, fut in enumerate(futures):
-            if out[i] is None:
-                try:
-                    exc = fut.exception()
-                    out[i] = exc if exc is not None else fut.result()
-                except BaseException as exc:  # noqa: BLE001 - a cancelled future: its rows fail
-                    out[i] = exc
-        return out  # type: ignore[return-value]
+                self._pending -= 1
+            if isinstance(result, BaseException):
+                message = f"{type(result).__name__}: {result}"
+                for i, key in enumerate(keys):
+                    yield key, RequestOutput(i, [], [], "", "error", message)
+                continue
+            if len(result) != len(keys):
+                raise RuntimeError(f"a batchgen task returned {len(result)} outputs for {len(keys)} rows")
+            yield from zip(keys, result)
 
     def close(self) -> None:
         """Unpin the models on the scheduler; cancel what is still running."""
