@@ -8,10 +8,15 @@ weights (they always agree), so rows routed to both reach confidence 2/3 and ski
 at skip_threshold 0.6; at 1.0 only rows whose three answers agree skip; inf never skips; 0.0
 skips every row (no aggregator at all: the expert stage alone, for the placement comparison).
 Each run starts with no engine loaded (release between runs), so load times count as in a job.
-Costs come from profiling each model in the driver first (profile_cost); one warm-up job pays the
-workers' first imports. Each configuration runs --repeat times, interleaved; best of them.
+Costs come from profiling each model in the driver (profile_cost, at a batch of 128 rows: the
+batch the job's engines reach), after one warm-up job has paid the workers' first imports. Each
+configuration runs --repeat times, interleaved; best of them. Besides wall seconds, each run
+reports each worker's CPU seconds and the driver's (the driver holds the scheduler too): on a
+shared machine wall time follows what others run, and the busiest worker's CPU seconds is the
+makespan the placement controls. The load average is printed at the start and the end.
 
     python benchmarks/bench_moa.py [--rows 160] [--repeat 2]
+    python benchmarks/bench_moa.py --expert-only --rows 1000 --repeat 3   # round_robin, ilp, data_parallel
     python benchmarks/bench_moa.py --simulate          # the expert stage at 4 and 16 simulated H200s
 
 --simulate: MOSAIC's setting on the simulator (batchgen/moa/simulate.py: the placement decides,
@@ -69,8 +74,21 @@ def profile(models: dict[str, Path]) -> dict:
     from batchgen.moa.costs import profile_cost
 
     torch.set_num_threads(1)
-    return {n: profile_cost(d, rows=64, max_tokens=SAMPLING[n]["max_tokens"], engine_options=OPTIONS)
+    return {n: profile_cost(d, rows=128, max_tokens=SAMPLING[n]["max_tokens"], engine_options=OPTIONS)
             for n, d in models.items()}
+
+
+def _cpu_s() -> float:
+    import os
+
+    t = os.times()
+    return t.user + t.system
+
+
+def load_average() -> str:
+    import os
+
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def run(models, client, pdf, placement: str, threshold: float, costs: dict) -> dict:
@@ -78,13 +96,18 @@ def run(models, client, pdf, placement: str, threshold: float, costs: dict) -> d
     from batchgen.moa import MoA
 
     bc.release(client)
+    workers0, driver0 = client.run(_cpu_s), _cpu_s()
     sampling = SAMPLING
     job = MoA(models, aggregator="short", route="experts", k=3, skip_threshold=threshold,
               extract=lambda t: t.split()[0] if t.split() else None, sampling=sampling,
               default_sampling={"temperature": 0.0, "ignore_eos": True}, client=client, placement=placement,
-              engine_options=OPTIONS, rows_per_task=8, chat=False, costs=costs)
+              engine_options=OPTIONS, chat=False, costs=costs)
     job.generate(pdf)
-    return job.stats.as_dict()
+    workers1, driver1 = client.run(_cpu_s), _cpu_s()
+    stats = job.stats.as_dict()
+    stats["worker_cpu_s"] = {w: workers1[w] - workers0[w] for w in workers1 if w in workers0}
+    stats["driver_cpu_s"] = driver1 - driver0
+    return stats
 
 
 def simulated() -> None:
@@ -124,17 +147,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, \
             LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
             Client(cluster) as client:
+        print(load_average(), flush=True)
         models = build(Path(tmp))
         bc.connect(client=client, push_interval=0.2)
         pdf = frame(args.rows)
+        # warm-up (estimated costs): first imports on the workers and here, before profiling, so
+        # the workers' start does not land in the profile's batches
+        run(models, client, frame(8), "ilp", 0.6, None)
         costs = profile(models)
-        print("profiled:", {n: (f"{1 / c.seconds_per_token:.0f} tok/s", f"load {c.load_s:.2f} s")
+        print("profiled:", {n: (f"{1 / c.seconds_per_token:.0f} tok/s", f"{c.seconds_per_row * 1e3:.2f} ms/row",
+                                f"{c.seconds_per_step * 1e3:.1f} ms/forward", f"load {c.load_s:.2f} s")
                             for n, c in costs.items()}, flush=True)
-        run(models, client, frame(8), "data_parallel", 0.6, costs)  # warm-up: imports on the workers
         configs = [("round_robin", 0.0), ("ilp", 0.0), ("ilp", float("inf")), ("ilp", 1.0), ("ilp", 0.6),
                    ("round_robin", float("inf"))]
         if args.expert_only:
-            configs = configs[:2]
+            configs = [("round_robin", 0.0), ("ilp", 0.0), ("data_parallel", 0.0)]
         best: dict[tuple[str, float], dict] = {}
         for _ in range(args.repeat):
             for placement, threshold in configs:
@@ -144,14 +171,23 @@ def main() -> None:
                     best[key] = s
                 print(f"{placement:12s} threshold {threshold:<4} expert {s['expert_stage_s']:6.2f} s  "
                       f"aggregator {s['aggregator_stage_s']:6.2f} s  total {s['total_s']:6.2f} s  "
-                      f"skipped {s['rows_skipped']}/{s['rows']}  | {s['placement']}", flush=True)
+                      f"skipped {s['rows_skipped']}/{s['rows']}  | cpu s: workers "
+                      f"{sorted(round(v, 1) for v in s['worker_cpu_s'].values())}, driver {s['driver_cpu_s']:.1f} "
+                      f"| {s['placement']}", flush=True)
                 print("    last task per worker and model (s):", {w[-5:]: {m: round(t, 1) for m, t in ms.items()}
                                                                  for w, ms in s["finished_s"].items()}, flush=True)
         rr, ilp = best[("round_robin", 0.0)], best[("ilp", 0.0)]
-        print(f"\nexpert stage alone (threshold 0: no aggregator) round_robin / ilp: "
+        busiest = {k: max(v["worker_cpu_s"].values()) for k, v in best.items()}
+        print(f"\n{load_average()}")
+        print(f"expert stage alone (threshold 0: no aggregator) round_robin / ilp: "
               f"{rr['expert_stage_s'] / ilp['expert_stage_s']:.2f}x measured, "
-              f"{rr['predicted_expert_stage_s'] / ilp['predicted_expert_stage_s']:.2f}x predicted")
+              f"{rr['predicted_expert_stage_s'] / ilp['predicted_expert_stage_s']:.2f}x predicted, "
+              f"{busiest[('round_robin', 0.0)] / busiest[('ilp', 0.0)]:.2f}x in the busiest worker's CPU seconds")
         if args.expert_only:
+            dp = best[("data_parallel", 0.0)]
+            print(f"data_parallel / ilp: {dp['expert_stage_s'] / ilp['expert_stage_s']:.2f}x measured, "
+                  f"{dp['predicted_expert_stage_s'] / ilp['predicted_expert_stage_s']:.2f}x predicted, "
+                  f"{busiest[('data_parallel', 0.0)] / busiest[('ilp', 0.0)]:.2f}x in the busiest worker's CPU seconds")
             return
         always = best[("ilp", float("inf"))]
         for thr in (1.0, 0.6):

@@ -122,3 +122,13 @@ def test_simulated_expert_stage_uses_the_placement() -> None:
     assert len(ilp.placement.replicas["r"]) >= 2 and len(rr.placement.replicas["r"]) == 1
     assert ilp.makespan_s < rr.makespan_s
     assert set(ilp.worker_s) == {"gpu0", "gpu1", "gpu2"}
+
+
+def test_task_size_follows_the_group(checkpoint_factory) -> None:
+    """About 8 tasks per (model, worker) group, never under 8 rows; rows_per_task fixes it."""
+    from batchgen.moa.pool import ModelPool
+
+    path = checkpoint_factory("llama")
+    auto, fixed = ModelPool({"m": path}, placement="round_robin"), ModelPool({"m": path}, rows_per_task=4)
+    assert [auto.task_size(n) for n in (1, 10, 64, 65, 1000)] == [8, 8, 8, 9, 125]
+    assert fixed.task_size(1000) == 4

@@ -17,9 +17,13 @@ def brute_force(demand: dict[str, Demand], costs: dict[str, ModelCost], workers:
     for choice in itertools.product(range(len(workers)), repeat=len(items)):
         held: list[set[str]] = [set() for _ in workers]
         work = [0.0] * len(workers)
+        tokens: dict[tuple[int, str], list[float]] = {}
         for (m, i), w in zip(items, choice):
             held[w].add(m)
-            work[w] += demand[m].tokens[i] * costs[m].seconds_per_token
+            work[w] += costs[m].seconds_per_row + demand[m].tokens[i] * costs[m].seconds_per_token
+            tokens.setdefault((w, m), []).append(demand[m].tokens[i])
+        for (w, m), ts in tokens.items():  # forwards: the longest row, or the batches the tokens fill
+            work[w] += costs[m].seconds_per_step * max(max(ts), sum(ts) / costs[m].max_batch)
         if any(sum(costs[m].memory_bytes for m in h) > ws.memory_bytes for h, ws in zip(held, workers)):
             continue
         span = max(work[w] + sum(costs[m].load_s for m in held[w]) for w in range(len(workers)))
@@ -36,14 +40,17 @@ def check_valid(p, demand, costs, workers) -> None:
         assert set(ws) == {w for w, by in p.rows.items() if m in by}
 
 
-def random_case(rng: random.Random, rows: int) -> tuple[dict, dict, list]:
+def random_case(rng: random.Random, rows: int, per_row: bool = False) -> tuple[dict, dict, list]:
     n_models, n_workers = rng.choice([(2, 2), (3, 2), (2, 3), (3, 3)])
     names = [f"m{i}" for i in range(n_models)]
     demand: dict[str, list] = {m: [] for m in names}
     for r in range(rows):
         demand[rng.choice(names)].append((r, rng.choice([1, 5, 20, 60])))
     demand = {m: Demand.of(dict(rs)) for m, rs in demand.items()}
-    costs = {m: ModelCost(rng.choice([0.01, 0.05]), rng.choice([0.0, 0.3, 2.0]), rng.choice([4, 6])) for m in names}
+    costs = {m: ModelCost(rng.choice([0.01, 0.05]), rng.choice([0.0, 0.3, 2.0]), rng.choice([4, 6]),
+                          rng.choice([0.0, 0.1, 0.5]) if per_row else 0.0,
+                          rng.choice([0.0, 0.005, 0.02]) if per_row else 0.0, rng.choice([2, 3, 100]) if per_row else 256)
+             for m in names}
     workers = [WorkerSlot(f"w{i}", rng.choice([10, 12, 100])) for i in range(n_workers)]
     return demand, costs, workers
 
@@ -51,12 +58,15 @@ def random_case(rng: random.Random, rows: int) -> tuple[dict, dict, list]:
 @pytest.mark.parametrize("seed", range(12))
 def test_ilp_is_optimal_against_brute_force(seed: int) -> None:
     rng = random.Random(seed)
-    demand, costs, workers = random_case(rng, rows=6)
+    demand, costs, workers = random_case(rng, rows=6, per_row=seed % 2 == 1)  # odd seeds: costs per row and per forward too
     best = brute_force(demand, costs, workers)
-    p = place(demand, costs, workers, "ilp")
+    p = place(demand, costs, workers, "ilp", gap=0.0)
     check_valid(p, demand, costs, workers)
-    assert p.solver == "ilp" and p.optimal
+    assert p.optimal and p.solver in ("ilp", "greedy")  # greedy: it met the lower bound
     assert p.makespan_s == pytest.approx(best, rel=1e-9, abs=1e-9)
+    near = place(demand, costs, workers, "ilp")  # the default gap: within 1% of the optimum
+    check_valid(near, demand, costs, workers)
+    assert best - 1e-9 <= near.makespan_s <= best * 1.01 + 1e-9
     for policy in ("round_robin", "data_parallel"):
         try:
             other = place(demand, costs, workers, policy)
@@ -123,7 +133,7 @@ def test_falls_back_within_the_time_limit() -> None:
     costs = {m: ModelCost(rng.choice([0.001, 0.003, 0.01]), 0.2, 1) for m in demand}
     workers = [WorkerSlot(f"w{i}") for i in range(16)]
     start = time.perf_counter()
-    p = place(demand, costs, workers, time_limit_s=0.05)
+    p = place(demand, costs, workers, time_limit_s=0.05, gap=0.0)
     elapsed = time.perf_counter() - start
     check_valid(p, demand, costs, workers)
     assert p.solver in ("greedy", "ilp-incumbent") and not p.optimal
@@ -136,3 +146,44 @@ def test_falls_back_within_the_time_limit() -> None:
 def test_empty_and_zero_demand() -> None:
     p = place({"m": Demand((), ())}, {"m": ModelCost(0.1)}, [WorkerSlot("a")])
     assert p.replicas == {} and p.makespan_s == 0.0
+
+
+def test_cost_per_row_moves_short_rows_off_the_long_model() -> None:
+    """Many 1-token rows cost more than their tokens say: with seconds_per_row the placement
+    sees the short model's rows as the work they are (and predicts it)."""
+    demand = {"long": Demand.of({i: 40 for i in range(20)}), "short": Demand.of({100 + i: 1 for i in range(200)})}
+    workers = [WorkerSlot("w0"), WorkerSlot("w1")]
+    tokens_only = {"long": ModelCost(0.01, 0.0), "short": ModelCost(0.01, 0.0)}
+    with_rows = {"long": ModelCost(0.01, 0.0, 0, 0.001), "short": ModelCost(0.01, 0.0, 0, 0.04)}
+    a = place(demand, tokens_only, workers, "round_robin")
+    b = place(demand, with_rows, workers, "round_robin")
+    assert a.makespan_s == pytest.approx(8.0) and b.makespan_s == pytest.approx(200 * 0.05)
+    p = place(demand, with_rows, workers, "ilp")
+    total = 20 * (0.001 + 0.4) + 200 * 0.05
+    assert p.makespan_s <= total / 2 + 0.41 and len(p.replicas["short"]) == 2
+
+
+def test_no_solver_when_greedy_meets_the_lower_bound() -> None:
+    """Equal rows of one model over two workers: the greedy split is provably optimal, so the
+    solver is not run (its time would only add to the stage)."""
+    demand = {"m": Demand.of({i: 10 for i in range(40)})}
+    costs = {"m": ModelCost(0.01, 0.0)}
+    p = place(demand, costs, [WorkerSlot("w0"), WorkerSlot("w1")], "ilp", gap=0.0)
+    assert p.solver == "greedy" and p.optimal and "lower bound" in p.note
+    assert p.makespan_s == pytest.approx(2.0)
+    with pytest.raises(PlacementError, match="gap"):
+        place(demand, costs, [WorkerSlot("w0")], "ilp", gap=1.5)
+
+
+def test_forwards_keep_a_small_job_on_one_replica() -> None:
+    """A forward's fixed cost: 20 rows fill no batch of 64, so a second replica would run all 40
+    forwards again, on the worker the other model needs; with rows that fill batches the model
+    is split again."""
+    workers = [WorkerSlot("w0"), WorkerSlot("w1")]
+    costs = {"m": ModelCost(0.0001, 0.0, 0, 0.0, 0.01, 64), "other": ModelCost(0.001)}
+    demand = {"m": Demand.of({i: 40 for i in range(20)}), "other": Demand.of({100 + i: 1 for i in range(400)})}
+    small = place(demand, costs, workers, "ilp", gap=0.0)
+    assert len(small.replicas["m"]) == 1 and small.makespan_s == pytest.approx(0.4 + 20 * 40 * 0.0001)
+    big = place({"m": Demand.of({i: 40 for i in range(1280)})}, costs, workers, "ilp", gap=0.0)
+    assert len(big.replicas["m"]) == 2
+    assert big.makespan_s == pytest.approx(0.01 * 640 * 40 / 64 + 640 * 40 * 0.0001)

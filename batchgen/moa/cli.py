@@ -92,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
                   models=config.get("models"), prompt_column=config.get("prompt_column", "prompt"),
                   chat=config.get("chat"), template=config.get("template"), client=client,
                   placement=config.get("placement", "ilp"), engine_options=config.get("engine_options"),
-                  rows_per_task=int(config.get("rows_per_task", 8)),
+                  rows_per_task=int(config["rows_per_task"]) if "rows_per_task" in config else None,
                   time_limit_s=float(config.get("time_limit_s", 5.0)))
         out = job.generate(frame)
     finally:

@@ -36,26 +36,53 @@ def cost_from_speed(model_dir: str | Path, tokens_per_s: float, load_s: float) -
     return ModelCost(1.0 / tokens_per_s, load_s, weight_bytes(model_dir))
 
 
-def profile_cost(model_dir: str | Path, *, rows: int = 32, max_tokens: int = 16,
-                 engine_options: dict | None = None) -> ModelCost:
-    """Measure a model here: the engine's load time and its generated tokens/s on `rows` rows
-    of `max_tokens` (ignore_eos, greedy) at once. Offline profiling, as MOSAIC does; run it on
-    the hardware the workers have, at the batch size the job will reach."""
+def profile_cost(model_dir: str | Path, *, rows: int = 128, max_tokens: int = 16, prompt_tokens: int = 8,
+                 repeat: int = 3, engine_options: dict | None = None) -> ModelCost:
+    """Measure a model here, at the batch the job reaches (`rows` at once; run it on the
+    hardware the workers have), as MOSAIC profiles offline. A batch of r rows of k generated
+    tokens is taken to cost r x per row + k x (per forward + r x per token): batches of
+    n = max(max_tokens, 16) and of 1 tokens, at r = rows and at rows / 4 (greedy, ignore_eos;
+    interleaved, best of `repeat` each, so a load spike from elsewhere does not land in one
+    of them only) give the three, so a model of short answers is charged its prefill and
+    per-row costs, and a replica with a small batch its forwards (`max_batch` = rows).
+    load_s: the engine's start plus what its first batch took beyond a steady one (the first
+    forwards' one-off costs: allocations, kernel selection, graph capture), the smaller of
+    two starts (the first also pays imports a warmed-up worker has paid).
+    """
     import time
 
     from ..engine import Engine
     from ..sampling_params import SamplingParams
 
-    start = time.perf_counter()
-    engine = Engine(model_dir, **(engine_options or {}))
-    load_s = time.perf_counter() - start
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine.generate([[1, 2, 3]], params)  # warm-up
+    def batch(engine: Engine, r: int, tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        prompts = [[1 + (i * 7 + j) % 50 for j in range(prompt_tokens)] for i in range(r)]
         start = time.perf_counter()
-        outs = engine.generate([[1, 2, 3, 4 + i % 7] for i in range(rows)], params)
-        elapsed = time.perf_counter() - start
-    finally:
-        engine.close()
-    tokens = sum(o.num_generated_tokens for o in outs)
-    return ModelCost(elapsed / max(1, tokens), load_s, weight_bytes(model_dir))
+        engine.generate(prompts, params)
+        return time.perf_counter() - start
+
+    rows, n = max(4, rows), max(16, max_tokens)
+    quarter = rows // 4
+    starts: list[tuple[float, float]] = []  # (engine start, its first batch)
+    best: dict[tuple[int, int], float] = {}
+    for _ in range(2):
+        begin = time.perf_counter()
+        engine = Engine(model_dir, **(engine_options or {}))
+        built = time.perf_counter() - begin
+        try:
+            starts.append((built, batch(engine, rows, n)))
+            if len(starts) == 2:
+                for _ in range(max(1, repeat)):
+                    for key in ((rows, n), (rows, 1), (quarter, n), (quarter, 1)):
+                        best[key] = min(best.get(key, float("inf")), batch(engine, *key))
+        finally:
+            engine.close()
+    full = (best[rows, n] - best[rows, 1]) / (n - 1)  # per forward + rows x per token
+    small = (best[quarter, n] - best[quarter, 1]) / (n - 1)
+    per_token = (full - small) / (rows - quarter)
+    per_step = full - rows * per_token
+    if per_token <= 0 or per_step < 0:  # noise swamped the difference: no fixed cost per forward
+        per_token, per_step = max(full, 1e-12) / rows, 0.0
+    per_row = max(0.0, (best[rows, 1] - per_step) / rows - per_token)
+    load_s = min(built + max(0.0, first - best[rows, n]) for built, first in starts)
+    return ModelCost(per_token, load_s, weight_bytes(model_dir), per_row, per_step, rows)

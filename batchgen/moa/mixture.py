@@ -82,7 +82,7 @@ class MoA:
                  models: Mapping[str, str | Path] | None = None, prompt_column: str = "prompt",
                  chat: bool | None = None, template: str | None = None, client: Client | None = None,
                  placement: Policy = "ilp", engine_options: Mapping[str, Any] | None = None,
-                 costs: Mapping[str, ModelCost] | None = None, rows_per_task: int = 8,
+                 costs: Mapping[str, ModelCost] | None = None, rows_per_task: int | None = None,
                  time_limit_s: float = 5.0) -> None:
         """proposers: name -> model directory; aggregator: a proposer's name or one of `models`
         (extra name -> directory). k: experts per row (the first k its route names). sampling:

@@ -2,18 +2,28 @@
 no torch, no Dask, no clock; state in, a Placement out.
 
 A worker's expert-stage time is the sum over the models it holds of (load time + that model's
-work there), work being predicted tokens x seconds per token; the job's expert stage ends with
-its slowest worker (the makespan). `place` minimizes that makespan:
+work there), a row's work being seconds per row + its predicted tokens x seconds per token
+(both measured at the batch the engine reaches: see costs.profile_cost); the job's expert stage
+ends with its slowest worker (the makespan). Models sharing a worker share its cores: each
+runs slower by as much as the others take, so their work adds up (the sum), which is how the
+makespan charges them. A forward also has a fixed cost (`seconds_per_step`) whatever its
+batch: a replica runs max(its longest row, its tokens / max_batch) forwards, so splitting a
+model whose rows do not fill two batches costs more forwards (small jobs stay on one replica). `place` minimizes that makespan:
 
 - policy "ilp": a mixed-integer program (scipy.optimize.milp, HiGHS). Binaries x[m, w] (model m
   has a replica on worker w) and y[c, w] (chunk c of m's rows goes to w, y <= x); per worker
-  sum_m mem[m] x[m, w] <= mem[w] and sum (load[m] x[m, w] + work[c] y[c, w]) <= T; minimize T.
+  sum_m mem[m] x[m, w] <= mem[w] and sum (load[m] x[m, w] + work[c] y[c, w] + step[m] s[m, w]) <= T,
+  s[m, w] >= longest[c] y[c, w] and >= sum_c tokens[c] y[c, w] / max_batch[m] (continuous:
+  the forwards m runs on w); minimize T.
   Each model's rows are dealt into at most `chunks_per_model` chunks of near-equal work
   (largest first), so small jobs are solved row by row (exact) and large ones stay a few
   thousand binaries. The replica cap bounds each model's replicas by its work over its load
   time (a replica that loads for longer than the work it takes over cannot pay for itself) and
-  by its chunks. The solver runs under `time_limit_s`; if it has no answer by then, or a worse
-  one than the greedy placement, the greedy one is used, and `Placement.solver` says which.
+  by its chunks. The solver runs under `time_limit_s`, and no longer than the most it could
+  save (greedy makespan - a lower bound); it stops within `gap` (1%) of the optimum and is
+  skipped when the greedy placement is within `gap` of the lower bound already;
+  if it has no answer in time, or a worse one than the greedy placement, the greedy one is
+  used, and `Placement.solver` / `note` say which.
 - policy "round_robin": model i on worker i mod N (the next one with room), all its rows there.
 - policy "data_parallel": every model on every worker, each model's rows dealt round-robin.
 
@@ -32,6 +42,7 @@ from ..errors import BatchgenError
 
 Policy = Literal["ilp", "round_robin", "data_parallel"]
 POLICIES: tuple[str, ...] = ("ilp", "round_robin", "data_parallel")
+GAP = 0.01  # relative optimality gap at which the solver may stop (see place)
 
 
 class PlacementError(BatchgenError):
@@ -62,17 +73,42 @@ class Demand:
 
 @dataclass(frozen=True, slots=True)
 class ModelCost:
-    """Profiled cost of one model: seconds per token at full batch, seconds to load, bytes held."""
+    """Profiled cost of one model: seconds per generated token at full batch, seconds to load
+    (engine start and warm-up), bytes held, and seconds per row whatever its length (prefill,
+    admission, detokenizing and returning it: what makes a model of short answers cost more
+    than its tokens say)."""
 
     seconds_per_token: float
     load_s: float = 0.0
     memory_bytes: int = 0
+    seconds_per_row: float = 0.0
+    # A forward's fixed cost, whatever its batch, and the batch the engine runs at most: a
+    # replica runs max(its longest row's tokens, its tokens / max_batch) forwards, so half the
+    # rows on each of two replicas costs more than all of them on one until both batches are full.
+    seconds_per_step: float = 0.0
+    max_batch: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("seconds_per_token", "load_s", "memory_bytes"):
+        if not (isinstance(self.max_batch, int) and self.max_batch >= 1):
+            raise PlacementError(f"ModelCost.max_batch must be an int >= 1, got {self.max_batch!r}")
+        for name in ("seconds_per_token", "load_s", "memory_bytes", "seconds_per_row", "seconds_per_step"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise PlacementError(f"ModelCost.{name} must be finite and >= 0, got {value!r}")
+
+    def row_s(self, tokens: float) -> float:
+        """Predicted seconds of one row of `tokens` predicted tokens."""
+        return self.seconds_per_row + tokens * self.seconds_per_token
+
+    def work_s(self, demand: Demand) -> float:
+        """Rows' work, without the forwards' fixed cost (steps_s)."""
+        return len(demand.rows) * self.seconds_per_row + demand.total * self.seconds_per_token
+
+    def steps_s(self, tokens: Sequence[float]) -> float:
+        """The forwards' fixed cost of one replica running rows of these predicted tokens."""
+        if not tokens or self.seconds_per_step == 0:
+            return 0.0
+        return self.seconds_per_step * max(max(tokens), sum(tokens) / self.max_batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +127,7 @@ class Placement:
     replicas: dict[str, tuple[str, ...]]
     rows: dict[str, dict[str, tuple[Hashable, ...]]]
     worker_s: dict[str, float]  # predicted expert-stage seconds per worker
-    solver: str = ""  # "ilp" (proved optimal) | "ilp-incumbent" (time limit) | "greedy" | policy name
+    solver: str = ""  # "ilp" (proved within `gap`) | "ilp-incumbent" (time limit) | "greedy" | policy name
     solve_s: float = 0.0
     note: str = ""  # why the fallback was used, if it was
     optimal: bool = False
@@ -113,10 +149,17 @@ class Placement:
 
 def place(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot],
           policy: Policy = "ilp", *, time_limit_s: float = 5.0, chunks_per_model: int | None = None,
-          max_replicas: Mapping[str, int] | None = None) -> Placement:
+          max_replicas: Mapping[str, int] | None = None, gap: float = GAP) -> Placement:
     """Place the models of `demand` on `workers` and split their rows, minimizing the predicted
     expert-stage makespan (see the module docstring). Models with no rows are not placed.
-    Raises PlacementError when a model fits no worker or the models cannot all be held."""
+    gap: the solver stops once its placement is proven within this fraction of the optimum
+    (0: prove it optimal), and is not run at all when the greedy placement is already within
+    it of a lower bound: profiled costs are not more exact than a percent, and the solve time
+    is part of the stage; for the same reason, with gap > 0, it runs no longer than the most
+    it could save (the greedy makespan less the lower bound), nor than `time_limit_s`. Raises PlacementError when a model fits no worker or the models
+    cannot all be held."""
+    if not (0.0 <= gap < 1.0):
+        raise PlacementError(f"gap must be in [0, 1), got {gap!r}")
     if policy not in POLICIES:
         raise PlacementError(f"placement policy {policy!r} unknown; use one of {', '.join(POLICIES)}")
     _check(demand, costs, workers)
@@ -126,7 +169,7 @@ def place(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers:
     if policy == "data_parallel":
         return _data_parallel(models, demand, costs, workers)
     return _ilp(models, demand, costs, workers, time_limit_s,
-                chunks_per_model or max(8, 4 * len(workers)), dict(max_replicas or {}))
+                chunks_per_model or max(8, 4 * len(workers)), dict(max_replicas or {}), gap)
 
 
 def _check(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot]) -> None:
@@ -147,8 +190,8 @@ def _check(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers
 
 
 # -- rows onto replicas ----------------------------------------------------------------------------
-def _chunks(d: Demand, n: int) -> list[list[int]]:
-    """Row indices dealt into at most n chunks of near-equal tokens (largest row first)."""
+def _chunks(d: Demand, n: int, cost: ModelCost) -> list[list[int]]:
+    """Row indices dealt into at most n chunks of near-equal work (largest row first)."""
     order = sorted(range(len(d.rows)), key=lambda i: (-d.tokens[i], i))
     if len(order) <= n:
         return [[i] for i in order]
@@ -157,7 +200,7 @@ def _chunks(d: Demand, n: int) -> list[list[int]]:
     for i in order:
         k = min(range(n), key=lambda j: (sums[j], j))
         chunks[k].append(i)
-        sums[k] += d.tokens[i]
+        sums[k] += cost.row_s(d.tokens[i])
     return chunks
 
 
@@ -167,12 +210,12 @@ def _spread(d: Demand, cost: ModelCost, replicas: Sequence[str], base: dict[str,
     the replica that would finish first counting what it already has (`base`, updated)."""
     if units is None:
         units = [[i] for i in range(len(d.rows))]
-    sized = sorted(((sum(d.tokens[i] for i in u), u) for u in units), key=lambda su: (-su[0], su[1][:1]))
+    sized = sorted(((sum(cost.row_s(d.tokens[i]) for i in u), u) for u in units), key=lambda su: (-su[0], su[1][:1]))
     out: dict[str, list[int]] = {w: [] for w in replicas}
-    for tokens, unit in sized:
+    for work, unit in sized:
         w = min(replicas, key=lambda w: (base[w], w))
         out[w].extend(unit)
-        base[w] += tokens * cost.seconds_per_token
+        base[w] += work
     return out
 
 
@@ -184,11 +227,11 @@ def _finish(policy: str, replicas: dict[str, list[str]], demand: Mapping[str, De
     replicas left without rows are dropped (and not charged their load)."""
     base = {w.name: 0.0 for w in workers}
     if assign is None:
-        for m in sorted(replicas, key=lambda m: -demand[m].total * costs[m].seconds_per_token):
+        for m in sorted(replicas, key=lambda m: -costs[m].work_s(demand[m])):
             for w in replicas[m]:
                 base[w] += costs[m].load_s
         assign = {}
-        for m in sorted(replicas, key=lambda m: -demand[m].total * costs[m].seconds_per_token):
+        for m in sorted(replicas, key=lambda m: -costs[m].work_s(demand[m])):
             assign[m] = _spread(demand[m], costs[m], replicas[m], base, (units or {}).get(m))
     rows: dict[str, dict[str, tuple[Hashable, ...]]] = {w.name: {} for w in workers}
     worker_s = {w.name: 0.0 for w in workers}
@@ -199,7 +242,8 @@ def _finish(policy: str, replicas: dict[str, list[str]], demand: Mapping[str, De
             if not idx:
                 continue
             rows[w][m] = tuple(d.rows[i] for i in idx)
-            worker_s[w] += costs[m].load_s + costs[m].seconds_per_token * sum(d.tokens[i] for i in idx)
+            worker_s[w] += (costs[m].load_s + sum(costs[m].row_s(d.tokens[i]) for i in idx)
+                            + costs[m].steps_s([d.tokens[i] for i in idx]))
             used.setdefault(m, []).append(w)
     order = {w.name: i for i, w in enumerate(workers)}
     reps = {m: tuple(sorted(ws, key=order.__getitem__)) for m, ws in used.items()}
@@ -245,7 +289,7 @@ def _greedy(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str,
     time (on the bottleneck's models) while they lower the predicted makespan. Trials are
     judged on chunks; the answer spreads single rows. None when first-fit packing leaves a
     model without room (the program may still find a packing)."""
-    work = {m: demand[m].total * costs[m].seconds_per_token for m in models}
+    work = {m: costs[m].work_s(demand[m]) for m in models}
     mem = {w.name: 0.0 for w in workers}
     replicas: dict[str, list[str]] = {}
     load = {w.name: 0.0 for w in workers}
@@ -287,7 +331,7 @@ def _caps(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, M
     hand) model m can have at most (n * bound - work - the other models' one load each) / load[m]
     replicas: a cap that never cuts off a better placement. Also at most one per chunk, and the
     caller's `max_replicas`."""
-    total = sum(demand[m].total * costs[m].seconds_per_token for m in models)
+    total = sum(costs[m].work_s(demand[m]) for m in models)
     loads = sum(costs[m].load_s for m in models)
     caps: dict[str, int] = {}
     for m in models:
@@ -299,18 +343,38 @@ def _caps(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, M
     return caps
 
 
-def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost],
-         workers: Sequence[WorkerSlot], time_limit_s: float, per_model: int, given: dict[str, int]) -> Placement:
-    import numpy as np
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_array
+def _lower_bound(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost],
+                 n_workers: int) -> float:
+    """No placement beats this: the workers share all the work and at least one load per
+    model; and some worker loads each model and runs its largest row."""
+    spread = sum(costs[m].work_s(demand[m]) + costs[m].load_s + costs[m].steps_s(demand[m].tokens)
+                 for m in models) / n_workers  # replicas' forwards add up to at least one replica's
+    single = max(costs[m].load_s + costs[m].row_s(max(demand[m].tokens)) + costs[m].steps_s([max(demand[m].tokens)])
+                 for m in models)
+    return max(spread, single)
 
+
+def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost],
+         workers: Sequence[WorkerSlot], time_limit_s: float, per_model: int, given: dict[str, int],
+         gap: float) -> Placement:
     start = time.perf_counter()
-    chunks = {m: _chunks(demand[m], per_model) for m in models}
+    chunks = {m: _chunks(demand[m], per_model, costs[m]) for m in models}
     if not models:
         return _finish("ilp", {}, demand, costs, workers, "ilp", optimal=True)
     greedy = _greedy(models, demand, costs, workers, _caps(models, demand, costs, len(workers), chunks, given),
                      chunks)
+    bound = _lower_bound(models, demand, costs, len(workers))
+    if greedy is not None and greedy.makespan_s <= bound * (1.0 + gap) + 1e-12:
+        return _replace(greedy, time.perf_counter() - start,
+                        f"within {100 * (greedy.makespan_s / bound - 1) if bound else 0:.2g}% of a lower bound: "
+                        "no solver needed", optimal=greedy.makespan_s <= bound + 1e-12)
+
+    if greedy is not None and gap > 0:  # solving longer than the most it could save only adds to the stage
+        time_limit_s = min(time_limit_s, greedy.makespan_s - bound)
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_array
+
     caps = _caps(models, demand, costs, len(workers), chunks, given,
                  greedy.makespan_s if greedy is not None else math.inf)
     W = len(workers)
@@ -318,14 +382,26 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
     xi = {(m, w): i * W + w for i, m in enumerate(models) for w in range(W)}
     flat = [(m, c) for m in models for c in chunks[m]]
     y0 = len(models) * W
-    t = y0 + len(flat) * W
+    stepped = [m for m in models if costs[m].seconds_per_step > 0]
+    s0 = y0 + len(flat) * W  # s[m, w]: forwards model m runs on w (continuous), for stepped models
+    si = {(m, w): s0 + i * W + w for i, m in enumerate(stepped) for w in range(W)}
+    t = s0 + len(stepped) * W
     n = t + 1
-    work = [costs[m].seconds_per_token * sum(demand[m].tokens[i] for i in c) for m, c in flat]
+    work = [sum(costs[m].row_s(demand[m].tokens[i]) for i in c) for m, c in flat]
     rows: list[tuple[dict[int, float], float, float]] = []
     for k, (m, _) in enumerate(flat):
         rows.append(({y0 + k * W + w: 1.0 for w in range(W)}, 1.0, 1.0))  # each chunk somewhere
         for w in range(W):
             rows.append(({y0 + k * W + w: 1.0, xi[m, w]: -1.0}, -np.inf, 0.0))  # only on a replica
+            if m in si:  # s >= the chunk's longest row wherever the chunk goes
+                rows.append(({y0 + k * W + w: max(demand[m].tokens[i] for i in flat[k][1]), si[m, w]: -1.0},
+                             -np.inf, 0.0))
+    for m in stepped:  # s >= the tokens there / max_batch
+        for w in range(W):
+            coefs = {y0 + k * W + w: sum(demand[m].tokens[i] for i in c) / costs[m].max_batch
+                     for k, (mm, c) in enumerate(flat) if mm == m}
+            coefs[si[m, w]] = -1.0
+            rows.append((coefs, -np.inf, 0.0))
     for m in models:
         rows.append(({xi[m, w]: 1.0 for w in range(W)}, 1.0, float(caps[m])))
     for w, slot in enumerate(workers):
@@ -333,6 +409,7 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
             rows.append(({xi[m, w]: float(costs[m].memory_bytes) for m in models}, -np.inf, float(slot.memory_bytes)))
         time_row = {xi[m, w]: costs[m].load_s for m in models}
         time_row.update({y0 + k * W + w: work[k] for k in range(len(flat))})
+        time_row.update({si[m, w]: costs[m].seconds_per_step for m in stepped})
         time_row[t] = -1.0
         rows.append((time_row, -np.inf, 0.0))
     A = lil_array((len(rows), n))
@@ -344,12 +421,12 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
     c = np.zeros(n)
     c[t] = 1.0
     integrality = np.ones(n)
-    integrality[t] = 0
+    integrality[s0:] = 0
     ub = np.ones(n)
-    ub[t] = np.inf
+    ub[s0:] = np.inf
     res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
                bounds=Bounds(np.zeros(n), ub), options={"time_limit": max(0.01, time_limit_s), "disp": False,
-                                                              "mip_rel_gap": 1e-6})
+                                                              "mip_rel_gap": max(gap, 1e-9)})
     solve_s = time.perf_counter() - start
     if res.x is None:
         if res.status == 2:  # proven infeasible: memory
@@ -364,15 +441,17 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
     for k, (m, chunk) in enumerate(flat):
         w = int(np.argmax(res.x[y0 + k * W: y0 + (k + 1) * W]))
         assign[m].setdefault(workers[w].name, []).extend(chunk)
-    solver = "ilp" if res.status == 0 else "ilp-incumbent"
-    found = _finish("ilp", {}, demand, costs, workers, solver, assign, solve_s=solve_s, optimal=res.status == 0)
+    solver = "ilp" if res.status == 0 else "ilp-incumbent"  # 0: optimal within `gap`
+    found = _finish("ilp", {}, demand, costs, workers, solver, assign, solve_s=solve_s,
+                    optimal=res.status == 0 and gap == 0)
     if greedy is not None and found.makespan_s > greedy.makespan_s + 1e-12:
         return _replace(greedy, solve_s, f"solver's best after {time_limit_s:g} s was worse than greedy")
     return found
 
 
-def _replace(p: Placement, solve_s: float, note: str) -> Placement:
-    return Placement(p.policy, p.replicas, p.rows, p.worker_s, solver="greedy", solve_s=solve_s, note=note)
+def _replace(p: Placement, solve_s: float, note: str, optimal: bool = False) -> Placement:
+    return Placement(p.policy, p.replicas, p.rows, p.worker_s, solver="greedy", solve_s=solve_s, note=note,
+                     optimal=optimal)
 
 
 __all__ = ["Demand", "ModelCost", "Placement", "PlacementError", "Policy", "POLICIES", "WorkerSlot", "place"]

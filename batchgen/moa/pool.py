@@ -4,7 +4,8 @@ On Dask, `plan` turns the rows into per-model Demand (predicted tokens: each row
 plus a share of its prompt), gets the workers and their memory from the scheduler, and calls
 `place`; the scheduler plugin is told the replica set of every model (`pin`), so its balancing
 moves a model's rows only between workers holding that model (never cold-starting it elsewhere).
-`submit` sends rows in tasks of `rows_per_task` to the worker the placement gave them, strictly
+`submit` sends rows in tasks to the worker the placement gave them (each (model, worker) group
+in about TASKS_PER_GROUP tasks, or tasks of `rows_per_task` when given), strictly
 restricted (a loosely restricted task can be stolen by an idle worker, which would then load a
 model the placement did not put there). A task whose worker leaves the cluster is sent again to
 another replica of its model (or, with none left, to the least loaded worker), and the rows that
@@ -14,7 +15,16 @@ per (worker, model); a worker holds several when the placement puts several mode
 Outside Dask every model runs in this process (`cluster.worker.local_host`), all at once.
 
 `results()` yields (key, RequestOutput) as tasks finish and keeps going while more rows are
-submitted meanwhile (how the MoA aggregator stage starts before the proposers end).
+submitted meanwhile (how the MoA aggregator stage starts before the proposers end). A task's
+result is fetched as it finishes (fetching them later in batches saved driver CPU, but a result
+whose worker died before the fetch is recomputed on that worker, for which a strictly
+restricted task waits forever; with tasks sized by group there are few fetches anyway).
+
+Task size: a task is a round trip (scheduler, worker thread, result) and its rows join the
+engine together, so tiny tasks cost CPU and feed the engine in dribbles; one task per group
+would return nothing until all of it is done (no streaming into the next MoA stage) and resend
+everything if its worker left. About TASKS_PER_GROUP tasks per (model, worker), of at least
+MIN_ROWS_PER_TASK rows, sit between the two.
 """
 from __future__ import annotations
 
@@ -39,6 +49,8 @@ if TYPE_CHECKING:
 
 LOCAL = "local"  # the worker name of this process, outside Dask
 PREFILL_WEIGHT = 0.05  # a prompt token costs about this many generated tokens (batched prefill)
+TASKS_PER_GROUP = 8  # tasks per (model, worker) group when rows_per_task is not given
+MIN_ROWS_PER_TASK = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +71,7 @@ class ModelPool:
     def __init__(self, models: Mapping[str, str | Path], *, client: Client | None = None,
                  placement: Policy = "ilp", engine_options: Mapping[str, Any] | None = None,
                  costs: Mapping[str, ModelCost] | None = None, worker_memory: int | None = None,
-                 rows_per_task: int = 16, retries: int = 3, time_limit_s: float = 5.0) -> None:
+                 rows_per_task: int | None = None, retries: int = 3, time_limit_s: float = 5.0) -> None:
         from ..cluster.spec import EngineSpec
 
         if not models:
@@ -70,8 +82,11 @@ class ModelPool:
             if not Path(spec.model, "config.json").is_file():
                 raise BatchgenError(f"model {name!r}: {spec.model} is not a model directory (no config.json)")
         self.client, self.policy = client, placement
+        if placement == "ilp":  # scipy.optimize takes a second or two to import: not inside the first plan()
+            threading.Thread(target=_import_solver, name="batchgen-import-scipy", daemon=True).start()
         self.costs = dict(costs or {})
-        self.worker_memory, self.rows_per_task, self.retries = worker_memory, max(1, rows_per_task), retries
+        self.worker_memory, self.retries = worker_memory, retries
+        self.rows_per_task = None if rows_per_task is None else max(1, rows_per_task)
         self.time_limit_s = time_limit_s
         self._done: queue.SimpleQueue[tuple[list[Hashable], list[RequestOutput] | BaseException]] = queue.SimpleQueue()
         self._pending = 0  # tasks submitted and not yet taken from _done
@@ -153,8 +168,15 @@ class ModelPool:
         for (model, worker), group in groups.items():
             group.sort(key=lambda it: -it.predicted_tokens())
             # the longest rows first, so they start first wherever the tasks queue
-            for i in range(0, len(group), self.rows_per_task):
-                self._send(model, worker, group[i:i + self.rows_per_task])
+            size = self.task_size(len(group))
+            for i in range(0, len(group), size):
+                self._send(model, worker, group[i:i + size])
+
+    def task_size(self, rows: int) -> int:
+        """Rows per task for a group of `rows` bound for one (model, worker)."""
+        if self.rows_per_task is not None:
+            return self.rows_per_task
+        return max(MIN_ROWS_PER_TASK, -(-rows // TASKS_PER_GROUP))
 
     def _least_loaded(self, model: str, placement: Placement | None) -> str:
         replicas = list(placement.replicas.get(model, ())) if placement is not None else []
@@ -269,6 +291,13 @@ def _run_local(spec: EngineSpec, requests: list[tuple[Any, Any]]) -> list[Reques
     from ..cluster.generate import run_requests
 
     return run_requests(spec, requests)
+
+
+def _import_solver() -> None:
+    try:
+        import scipy.optimize  # noqa: F401
+    except ImportError:  # place() says so when it needs it
+        pass
 
 
 def _takes_n_workers(client: Client) -> bool:
