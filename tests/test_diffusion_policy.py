@@ -61,3 +61,84 @@ def test_cost_model_round_trip_and_fit(tmp_path):
     samples = [(r * n, n, truth.step_time(r * n, n)) for r in (1, 2, 4) for n in (16, 64, 256)]
     got = fit(samples)
     assert got.fixed == pytest.approx(2e-3, rel=1e-6) and got.per_attn == pytest.approx(1e-8, rel=1e-6)
+
+
+# ---- plan.plan_round: admissions, groups, degrees (pure) ----------------------------------------
+# step time = 1 ms per image token / degree, + 20 ms per forward at degree > 1 (no fixed cost):
+# a 64-token image takes 64 ms alone, 52 ms at degree 2; a 16-token one 16 ms.
+SP_COST = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.02)
+BIG, SMALL = ((4, 16, 16),), ((4, 8, 8),)
+
+
+def _placed(tid, group, remaining=10, tokens=64, key=BIG, rows=1):
+    from batchgen.diffusion.plan import Placed
+
+    return Placed(TrajView(tid, key, tokens, rows, remaining, float(tid)), tuple(group))
+
+
+def _state(running=(), waiting=(), ranks=(0, 1), degrees=(1, 2)):
+    from batchgen.diffusion.plan import ClusterState
+
+    return ClusterState(tuple(ranks), tuple(running), tuple(waiting), 0.0, tuple(degrees))
+
+
+def test_plan_spreads_a_large_image_over_an_idle_worker_and_not_over_a_busy_one():
+    from batchgen.diffusion.plan import plan_round
+
+    alone = plan_round(_state([_placed(0, [0])]), "fcfs", SP_COST)
+    assert alone.groups == {0: (0, 1)} and alone.est_round_s == pytest.approx(0.052)
+    assert "(0,) -> (0, 1)" in alone.reasons[0]
+    # worker 1 busy with a small image: degree 2 would make its round 68 ms > 64 ms at degree 1
+    busy = plan_round(_state([_placed(0, [0, 1]), _placed(1, [1], tokens=16, key=SMALL)]), "fcfs", SP_COST)
+    assert busy.groups == {0: (0,), 1: (1,)}
+    assert [f.ranks for f in busy.forwards] == [(0,), (1,)]
+    # the degree 2 -> 1 switch hands the trajectory to the member whose round it shortens
+    assert "(0, 1) -> (0,)" in busy.reasons[0]
+
+
+def test_plan_keeps_degree_1_where_the_all_to_all_costs_more_than_it_saves():
+    from batchgen.diffusion.plan import plan_round
+
+    slow_comm = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=2e-3, comm_fixed=0.0)
+    assert slow_comm.step_time(64, 64, 2) > slow_comm.step_time(64, 64, 1)
+    assert plan_round(_state([_placed(0, [0])]), "fcfs", slow_comm).groups == {0: (0,)}
+    # the model's heads allow degree 1 only: never spread
+    assert plan_round(_state([_placed(0, [0])], degrees=(1,)), "fcfs", SP_COST).groups == {0: (0,)}
+
+
+def test_plan_admits_in_policy_order_onto_the_shorter_round_within_slots():
+    from batchgen.diffusion.plan import ElasticOptions, plan_round
+
+    waiting = [_v(5, 40, tokens=16, key=SMALL), _v(6, 2, tokens=16, key=SMALL), _v(7, 9, tokens=64, key=BIG)]
+    plan = plan_round(_state([_placed(0, [0])], waiting), "srwf", SP_COST, ElasticOptions(max_running=2))
+    # srwf: 6 (2 steps), 7, 5; 6 goes to the idle worker 1, 7 (64 ms) next to it rather than onto
+    # worker 0's 64 ms; worker 1 is then full, so 5 joins worker 0
+    assert plan.admit == {1: (6, 7), 0: (5,)}
+    assert plan.groups == {0: (0,), 5: (0,), 6: (1,), 7: (1,)}
+    assert sum(len(f.tids) for f in plan.forwards) == 4
+    one = plan_round(_state([_placed(0, [0])], waiting), "fcfs", SP_COST, ElasticOptions(max_running=1))
+    assert one.admit == {1: (5,)}
+
+
+def test_plan_migrates_to_balance_and_orders_forwards_alike_for_every_member():
+    from batchgen.diffusion.plan import ElasticOptions, Forward, plan_round
+
+    running = [_placed(i, [0], tokens=16, key=SMALL) for i in range(4)]
+    plan = plan_round(_state(running), "fcfs", SP_COST)
+    on = [sum(g[0] == r for g in plan.groups.values()) for r in (0, 1)]
+    assert on == [2, 2] and plan.est_round_s == pytest.approx(0.032)
+    assert len(plan.reasons) == 2
+    # two large ones spread over both workers (one shared 84 ms forward + a small one's 16 ms) are
+    # better one per worker (80 ms): no single move shows it, the search from degree 1 does
+    two = plan_round(_state([_placed(0, [0, 1]), _placed(1, [0, 1]), _placed(2, [0], tokens=16, key=SMALL)]),
+                     "fcfs", SP_COST)
+    assert sorted(two.groups.values()) == [(0,), (0,), (1,)] and two.est_round_s == pytest.approx(0.08)
+    # spread trajectories of one shape share a forward, after the degree-1 forwards
+    shared = plan_round(_state([_placed(0, [0, 1]), _placed(1, [0, 1])]), "fcfs",
+                        CostModel(fixed=0.05, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.0))
+    assert shared.forwards == (Forward((0, 1), (0, 1)),)
+    mixed = plan_round(_state([_placed(0, [0, 1]), _placed(2, [0], tokens=16, key=SMALL, remaining=1),
+                               _placed(3, [1], tokens=16, key=SMALL, remaining=1)]), "fcfs", SP_COST)
+    assert [len(f.ranks) for f in mixed.forwards] == sorted(len(f.ranks) for f in mixed.forwards)
+    with pytest.raises(ValueError, match="max_running"):
+        ElasticOptions(max_running=0)
