@@ -40,7 +40,7 @@ def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *,
                    max_running: int = 8, admit_per_step: int = 2, deadlines: Sequence[float | None] | None = None,
                    migrate: bool = True, cost: CostModel | None = None, engine_options: dict | None = None,
                    elastic: bool | ElasticOptions = True, arrivals: Sequence[float] | None = None,
-                   keep_arrays: bool = False) -> list[ImageResult]:
+                   keep_arrays: bool = False, stats: list | None = None) -> list[ImageResult]:
     """Run `requests` on every worker of `client`; -> results in input order.
 
     elastic (default): the workers join one gloo world (once) and run the elastic loop
@@ -48,13 +48,14 @@ def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *,
     and each trajectory's sequence-parallel degree from `cost` (calibrate it: calibrate.py);
     an ElasticOptions sets its knobs (max_running / admit_per_step otherwise). elastic=False:
     free-running loops at degree 1 over distributed Queues, idle workers stealing (`migrate`).
-    arrivals: seconds after the start before each request may be admitted (default all at 0)."""
+    arrivals: seconds after the start before each request may be admitted (default all at 0).
+    stats: a list to extend with each worker loop's counters (rounds, forwards, seconds in sync...)."""
     check_policy(policy)
     if elastic is not False:
         return _run_elastic(client, model, requests, policy, deadlines, arrivals, cost or CostModel(),
                             elastic if isinstance(elastic, ElasticOptions)
                             else ElasticOptions(max_running=max_running, admit_per_round=admit_per_step),
-                            engine_options or {}, keep_arrays)
+                            engine_options or {}, keep_arrays, stats)
     if arrivals is not None:
         raise ValueError("arrivals need the elastic loop (elastic=True)")
     from distributed import Queue
@@ -72,15 +73,18 @@ def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *,
                            engine_options or {},
                            workers=[w], allow_other_workers=False, pure=False, key=f"bg-diff-loop-{job}-{i}")
              for i, w in enumerate(workers)]
-    results = _collect(job, len(requests))
+    results = _collect(job, len(requests), loops)
     Queue(f"bg-diff-done-{job}").put(True)
-    client.gather(loops)
+    got = client.gather(loops)
+    if stats is not None:
+        stats.extend(got)
     return results
 
 
 def _run_elastic(client: Any, model: str, requests: Sequence[ImageRequest], policy: str,
                  deadlines: Sequence[float | None] | None, arrivals: Sequence[float] | None, cost: CostModel,
-                 options: ElasticOptions, engine_options: dict, keep_arrays: bool) -> list[ImageResult]:
+                 options: ElasticOptions, engine_options: dict, keep_arrays: bool, stats: list | None
+                 ) -> list[ImageResult]:
     from .cluster_elastic import elastic_loop
     from .sp_cluster import world_ranks
 
@@ -96,7 +100,9 @@ def _run_elastic(client: Any, model: str, requests: Sequence[ImageRequest], poli
                            workers=[w], allow_other_workers=False, pure=False, key=f"bg-diff-elastic-{job}-{r}")
              for w, r in sorted(ranks.items(), key=lambda kv: kv[1])]
     results = _collect(job, n, loops)
-    client.gather(loops)
+    got = client.gather(loops)
+    if stats is not None:
+        stats.extend(got)
     return results
 
 
