@@ -142,3 +142,20 @@ def test_plan_migrates_to_balance_and_orders_forwards_alike_for_every_member():
     assert [len(f.ranks) for f in mixed.forwards] == sorted(len(f.ranks) for f in mixed.forwards)
     with pytest.raises(ValueError, match="max_running"):
         ElasticOptions(max_running=0)
+
+
+def test_fit_comm_recovers_the_degree_terms_over_a_degree_1_fit():
+    from batchgen.diffusion.calibrate import fit, fit_comm
+
+    truth = CostModel(fixed=2e-3, per_token=3e-6, per_attn=1e-8, per_comm_token=4e-6, comm_fixed=5e-3)
+    ones = [(r * n, n, truth.step_time(r * n, n)) for r in (1, 4) for n in (16, 64, 256)]
+    twos = [(r * n, n, 2, truth.step_time(r * n, n, 2)) for r in (1, 4) for n in (16, 64, 256)]
+    got = fit_comm(twos, fit(ones))
+    assert got.comm_fixed == pytest.approx(5e-3, rel=1e-6) and got.per_comm_token == pytest.approx(4e-6, rel=1e-6)
+    # degree 2 slower than degree 1 at every size (workers sharing a core): the fit says so, and
+    # the policy keeps degree 1
+    slow = [(bt, n, 2, 1.5 * truth.step_time(bt, n)) for bt, n, _ in ones]
+    got = fit_comm(slow, fit(ones))
+    assert all(got.step_time(bt, n, 2) > got.step_time(bt, n, 1) for bt, n, _ in ones)
+    assert best_degree(256, got, free=2) == 1
+    assert fit_comm([], truth) is truth

@@ -148,3 +148,13 @@ def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, clus
     slow = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=2e-3, comm_fixed=0.0)
     again = run_on_cluster(client, path, reqs[:2], policy="srwf", cost=slow, elastic=ElasticOptions(max_running=1))
     assert again[0].degrees == (1,) * 24 and again[1].degrees == (1,) * 3
+
+
+def test_calibrate_cluster_fits_degree_terms_on_the_workers(pipes, cluster):
+    from batchgen.diffusion.calibrate import calibrate_cluster
+
+    client, _ = cluster
+    cost = calibrate_cluster(client, str(pipes["dit"]), rows=(1, 2), latents=(8, 12), repeats=1)
+    assert cost.per_token > 0 and cost.comm_fixed >= 0 and cost.per_comm_token >= 0
+    assert "degree > 1: 16x16@2" in cost.source  # 8x8 latent / patch 2 = 16 tokens, 1 row, degree 2
+    assert cost.step_time(36, 36, 2) != cost.step_time(36, 36, 1)
