@@ -159,3 +159,28 @@ def test_fit_comm_recovers_the_degree_terms_over_a_degree_1_fit():
     assert all(got.step_time(bt, n, 2) > got.step_time(bt, n, 1) for bt, n, _ in ones)
     assert best_degree(256, got, free=2) == 1
     assert fit_comm([], truth) is truth
+
+
+def test_measured_ratios_correct_the_cost_model_in_the_plan():
+    from batchgen.diffusion.plan import Measured, plan_round
+
+    m = Measured(alpha=0.5)
+    # big forwards on rank 0 took 4x the model; small ones on rank 1 as modelled
+    m.update([(0, BIG, 1, 0.064, 0.256), (1, SMALL, 1, 0.016, 0.016)])
+    assert m.scale[(BIG, 1)] == pytest.approx(4.0) and m.scale[(SMALL, 1)] == pytest.approx(1.0)
+    assert m.speed == {0: pytest.approx(1.0), 1: pytest.approx(1.0)}
+    m.update([(0, BIG, 1, 0.064, 0.064)])
+    assert m.scale[(BIG, 1)] == pytest.approx(2.5)
+    # a worker slower at the same shape: the shape's scale takes the mean, the rank's speed the rest
+    w = Measured(alpha=1.0)
+    w.update([(0, SMALL, 1, 0.016, 0.016), (1, SMALL, 1, 0.016, 0.048), (0, BIG, 1, 0.064, 0.064)])
+    # small: (16 + 48) / 32 ms -> scale 2; rank 0 then 80 ms real / 96 modelled, rank 1 48 / 32
+    assert w.scale[(SMALL, 1)] == pytest.approx(2.0)
+    assert w.speed[0] == pytest.approx(0.08 / 0.096) and w.speed[1] == pytest.approx(1.5)
+    # four small ones: an even split by the model; rank 1 measured 3x slower gets fewer
+    state = _state([_placed(i, [0], tokens=16, key=SMALL) for i in range(4)])
+    even = plan_round(state, "fcfs", SP_COST)
+    assert sorted(g[0] for g in even.groups.values()) == [0, 0, 1, 1]
+    from dataclasses import replace
+    slow1 = plan_round(replace(state, speed={0: 1.0, 1: 3.0}), "fcfs", SP_COST)
+    assert sorted(g[0] for g in slow1.groups.values()) == [0, 0, 0, 1]

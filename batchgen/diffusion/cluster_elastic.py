@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .cost import CostModel
-from .plan import ClusterState, ElasticOptions, Placed, plan_round
+from .plan import ClusterState, ElasticOptions, Measured, Placed, plan_round
 from .policy import TrajView
 from .request import ImageRequest
 
@@ -70,6 +70,8 @@ def elastic_loop(model: str, job: str, world_ranks: tuple[int, ...], requests: S
     groups: dict[int, tuple[int, ...]] = {}       # request index -> ranks, as of the last plan (all workers)
     history: dict[int, list[tuple[int, int]]] = {}  # request index -> (owner, degree) per step taken
     pending = list(range(len(requests)))
+    measured = Measured()
+    samples: list[tuple[int, tuple, int, float, float]] = []  # this worker's forwards last round
     stats = {"rounds": 0, "forwards": 0, "sp_forwards": 0, "copies_in": 0, "max_degree": 1,
              "plan_s": 0.0, "sync_s": 0.0, "est_s": 0.0}
     start = None
@@ -82,16 +84,20 @@ def elastic_loop(model: str, job: str, world_ranks: tuple[int, ...], requests: S
                 v = request_view(pipe, index, t.request, arrivals[index], deadlines[index])
                 mine.append(Placed(TrajView(index, v.key, v.tokens, v.rows, t.remaining_steps, v.arrival,
                                             v.deadline), groups[index]))
-        states = [pickle.loads(b) for b in all_gather_bytes(world, pickle.dumps((time.time(), mine)))]
+        states = [pickle.loads(b) for b in all_gather_bytes(world, pickle.dumps((time.time(), mine, samples)))]
         now = states[0][0]
         start = now if start is None else start
-        running = tuple(p for _, ps in states for p in ps)
+        running = tuple(p for _, ps, _ in states for p in ps)
+        if options.adapt:
+            measured.update([x for _, _, xs in states for x in xs])
+        samples = []
         arrived = [i for i in pending if arrivals[i] <= now - start]
         if not running and not pending:
             break
         t1 = time.perf_counter()
         waiting = tuple(request_view(pipe, i, requests[i], arrivals[i], deadlines[i]) for i in arrived)
-        plan = plan_round(ClusterState(tuple(world_ranks), running, waiting, now, degrees), policy, cost, options)
+        plan = plan_round(ClusterState(tuple(world_ranks), running, waiting, now, degrees, dict(measured.scale),
+                                       dict(measured.speed)), policy, cost, options)
         t2 = time.perf_counter()
         stats["sync_s"] += t1 - t0
         stats["plan_s"] += t2 - t1
@@ -131,8 +137,23 @@ def elastic_loop(model: str, job: str, world_ranks: tuple[int, ...], requests: S
         for n, fwd in enumerate(plan.forwards):
             if me not in fwd.ranks:
                 continue
-            shard = UlyssesShard(Group.of(fwd.ranks, salt=f"{job}:{stats['rounds']}:{n}")) if len(fwd.ranks) > 1 else None
-            engine.step_trajectories([held[i] for i in fwd.tids], shard)
+            tids = [held[i] for i in fwd.tids]
+            views = [request_view(pipe, i, requests[i], 0.0, None) for i in fwd.tids]
+            modelled = cost.step_time(sum(v.rows * v.tokens for v in views), views[0].tokens, len(fwd.ranks))
+            began = time.perf_counter()
+            if len(fwd.ranks) == 1:
+                try:
+                    engine.step_trajectories(tids)
+                except Exception as exc:  # noqa: BLE001 - those trajectories fail, the job goes on
+                    for tid in tids:
+                        engine.fail(tid, f"step failed on worker {address}: {type(exc).__name__}: {exc}")
+                shard = None
+            else:
+                # a member that failed here would leave the others waiting in the collective: no
+                # guard, the loop's error reaches the driver (run_on_cluster raises it)
+                shard = UlyssesShard(Group.of(fwd.ranks, salt=f"{job}:{stats['rounds']}:{n}"))
+                engine.step_trajectories(tids, shard)
+            samples.append((me, views[0].key, len(fwd.ranks), modelled, time.perf_counter() - began))
             stats["forwards"] += 1
             stats["sp_forwards"] += shard is not None
             stats["max_degree"] = max(stats["max_degree"], len(fwd.ranks))

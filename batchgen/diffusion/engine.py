@@ -220,6 +220,12 @@ class DiffusionEngine:
             if t.remaining_steps == 0:
                 t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
 
+    def fail(self, tid: int, error: str) -> None:
+        """End a trajectory with `error` (its output comes at the next collect or step)."""
+        t = self._trajs[tid]
+        t.error = error
+        t.move(Status.FAILED, error)
+
     def collect(self) -> list[ImageOutput]:
         """Decode the trajectories that have taken all their steps (batched per shape) -> the
         outputs finished since the last step or collect, failed admissions included."""

@@ -32,12 +32,14 @@ class ElasticOptions:
     """max_running: trajectories one worker owns at once; admit_per_round: the most a worker admits
     per round (so every worker gets a share of the queue); switch_gain: the share of the round's
     estimated time a move must save (hysteresis: no flapping on estimation noise); max_degree:
-    cap on the degree (None: the number of workers)."""
+    cap on the degree (None: the number of workers); adapt: correct the cost model by the
+    forward times measured so far (ClusterState.scale / speed), else trust it as calibrated."""
 
     max_running: int = 8
     admit_per_round: int = 2
     switch_gain: float = 0.05
     max_degree: int | None = None
+    adapt: bool = True
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.admit_per_round < 1:
@@ -60,13 +62,54 @@ class Placed:
 @dataclass(frozen=True, slots=True)
 class ClusterState:
     """ranks: the job's workers; waiting: arrived, not yet admitted (tid = request index), any
-    order; degrees: the degrees the model allows (they divide its attention heads)."""
+    order; degrees: the degrees the model allows (they divide its attention heads). scale:
+    (key, degree) -> measured / modelled forward time so far, speed: rank -> its measured /
+    modelled time (Measured.update keeps both); the plan multiplies the cost model by them, so a
+    cost model that is off for one shape, or a worker slowed by its neighbours, is corrected."""
 
     ranks: tuple[int, ...]
     running: tuple[Placed, ...]
     waiting: tuple[TrajView, ...]
     now: float
     degrees: tuple[int, ...] = (1,)
+    scale: dict[tuple, float] = field(default_factory=dict)
+    speed: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Measured:
+    """Running ratios of measured to modelled forward time, per (key, degree) and per rank: an
+    exponential average (weight `alpha` on the newest round) of ratio-of-sums, clamped to
+    [1/limit, limit]. Every worker feeds it the same gathered samples in the same order, so all
+    hold the same ratios."""
+
+    alpha: float = 0.3
+    limit: float = 20.0
+    scale: dict[tuple, float] = field(default_factory=dict)
+    speed: dict[int, float] = field(default_factory=dict)
+
+    def update(self, samples: Sequence[tuple[int, tuple, int, float, float]]) -> None:
+        """samples: (rank, key, degree, modelled s, measured s) of one round's forwards."""
+        by_key: dict[tuple, list[float]] = {}
+        for _, key, d, model_s, real_s in samples:
+            acc = by_key.setdefault((key, d), [0.0, 0.0])
+            acc[0] += model_s
+            acc[1] += real_s
+        for k, (m, r) in by_key.items():
+            if m > 0:
+                self.scale[k] = self._mix(self.scale.get(k), r / m)
+        by_rank: dict[int, list[float]] = {}
+        for rank, key, d, model_s, real_s in samples:
+            acc = by_rank.setdefault(rank, [0.0, 0.0])
+            acc[0] += model_s * self.scale.get((key, d), 1.0)
+            acc[1] += real_s
+        for rank, (m, r) in by_rank.items():
+            if m > 0:
+                self.speed[rank] = self._mix(self.speed.get(rank), r / m)
+
+    def _mix(self, old: float | None, new: float) -> float:
+        new = min(self.limit, max(1.0 / self.limit, new))
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +137,19 @@ class RoundPlan:
 class _Loads:
     """Per-forward batch tokens and per-rank load, updated in O(members) per move."""
 
-    def __init__(self, ranks: Sequence[int], cost: CostModel) -> None:
+    def __init__(self, ranks: Sequence[int], cost: CostModel, scale: dict[tuple, float] | None = None,
+                 speed: dict[int, float] | None = None) -> None:
         self.cost = cost
+        self.scale = scale or {}
+        self.speed = speed or {}
         self.batch: dict[tuple, int] = {}      # (ranks, key) -> rows x tokens
         self.tokens: dict[tuple, int] = {}     # (ranks, key) -> tokens per image
         self.load = {r: 0.0 for r in ranks}
 
     def _fwd(self, f: tuple) -> float:
         bt = self.batch.get(f, 0)
-        return self.cost.step_time(bt, self.tokens[f], len(f[0])) if bt else 0.0
+        d = len(f[0])
+        return self.cost.step_time(bt, self.tokens[f], d) * self.scale.get((f[1], d), 1.0) if bt else 0.0
 
     def add(self, v: TrajView, group: tuple[int, ...], sign: int = 1) -> None:
         f = (group, v.key)
@@ -111,7 +158,7 @@ class _Loads:
         self.batch[f] = self.batch.get(f, 0) + sign * v.rows * v.tokens
         delta = self._fwd(f) - before
         for r in group:
-            self.load[r] += delta
+            self.load[r] += delta * self.speed.get(r, 1.0)
 
     def objective(self) -> tuple[float, float]:
         return max(self.load.values()), sum(self.load.values())
@@ -130,7 +177,7 @@ def plan_round(state: ClusterState, policy: str, cost: CostModel, options: Elast
         groups[p.view.tid] = tuple(r for r in p.group if r in ranks) or (ranks[0],)
         views[p.view.tid] = p.view
 
-    loads = _Loads(ranks, cost)
+    loads = _Loads(ranks, cost, state.scale, state.speed)
     owned = {r: 0 for r in ranks}
     for tid, group in groups.items():
         loads.add(views[tid], group)
@@ -155,8 +202,8 @@ def plan_round(state: ClusterState, policy: str, cost: CostModel, options: Elast
     order = [v.tid for v in priority(list(views.values()), policy, state.now, cost)]
     # local search from where things are, and from everything at degree 1 on its owner (single
     # moves out of a poor spread can all look worse); the second wins only by more than the gain
-    kept = _search(dict(groups), views, order, ranks, degrees, cost, options)
-    fresh = _search({t: g[:1] for t, g in groups.items()}, views, order, ranks, degrees, cost, options)
+    kept = _search(dict(groups), views, order, ranks, degrees, loads, options)
+    fresh = _search({t: g[:1] for t, g in groups.items()}, views, order, ranks, degrees, loads, options)
     final, loads = kept if kept[1].objective()[0] <= fresh[1].objective()[0] * (1 + options.switch_gain) else fresh
     est = loads.objective()[0]
     reasons = {t: f"{groups[t]} -> {g}: est. round {est * 1e3:.2f} ms" for t, g in final.items() if g != groups[t]}
@@ -164,8 +211,8 @@ def plan_round(state: ClusterState, policy: str, cost: CostModel, options: Elast
 
 
 def _search(groups: dict[int, tuple[int, ...]], views: dict[int, TrajView], order: list[int], ranks: tuple[int, ...],
-            degrees: list[int], cost: CostModel, options: ElasticOptions) -> tuple[dict[int, tuple[int, ...]], _Loads]:
-    loads = _Loads(ranks, cost)
+            degrees: list[int], like: _Loads, options: ElasticOptions) -> tuple[dict[int, tuple[int, ...]], _Loads]:
+    loads = _Loads(ranks, like.cost, like.scale, like.speed)
     owned = {r: 0 for r in ranks}
     for tid, group in groups.items():
         loads.add(views[tid], group)
