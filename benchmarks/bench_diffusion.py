@@ -25,7 +25,7 @@ Reports makespan, mean latency and the share of requests over their deadline (de
 + --slo x the request's own standalone time, from the calibrated cost model), as ratios of the
 two systems measured in the same run (best of --repeats, interleaved).
 
-    python benchmarks/bench_diffusion.py               # ~3-5 minutes on 2 shared cores
+    python benchmarks/bench_diffusion.py --systems static batchgen free --repeats 3   # ~5 minutes, 2 shared cores
     python benchmarks/bench_diffusion.py --requests 16 --repeats 1   # smoke run
 """
 from __future__ import annotations
@@ -169,10 +169,14 @@ def main() -> int:
                     mk, lat, moved, spread = run_batchgen(client, model, reqs, args.policy, deadlines, cost,
                                                           args.max_running, elastic=name == "batchgen")
                 over = sum(l > d for l, d in zip(lat, deadlines)) / len(lat)
+                # the same latencies against looser SLOs (the cost model, fitted by best-of timings,
+                # is optimistic on a loaded machine, so the stated SLO can be out of reach for all)
+                looser = {k: sum(l > d * k / args.slo for l, d in zip(lat, deadlines)) / len(lat) for k in (8, 16, 32)}
                 print(f"  run {rep} {name:8s}: makespan {mk:7.2f} s, mean latency {sum(lat) / len(lat):7.2f} s, "
-                      f"over deadline {over:5.1%}, migrated {moved}, steps at degree 2: {spread}", file=sys.stderr)
+                      f"over deadline {over:5.1%} (SLO 8x/16x/32x: " + "/".join(f"{v:.0%}" for v in looser.values())
+                      + f"), migrated {moved}, steps at degree 2: {spread}", file=sys.stderr)
                 if name not in best or mk < best[name][0]:
-                    best[name] = (mk, sum(lat) / len(lat), over, moved, spread)
+                    best[name] = (mk, sum(lat) / len(lat), over, moved, spread, looser)
     print(f"requests {args.requests} (sizes 16/48 px, 10-50 steps, CFG mixed), policy {args.policy}, "
           f"static batch {args.static_batch}, best of {args.repeats}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     s = best.get("static")
@@ -182,7 +186,9 @@ def main() -> int:
         b = best[name]
         print(f"{name}: makespan static / {name} = {s[0] / b[0]:.2f}x   (target >= 1.4x); mean latency "
               f"{1 - b[1] / s[1]:+.0%} lower (target >= 30%); over deadline (SLO {args.slo}x alone) static "
-              f"{s[2]:.0%}, {name} {b[2]:.0%}; migrated {b[3]}, steps at degree 2: {b[4]}")
+              f"{s[2]:.0%}, {name} {b[2]:.0%} (SLO 8x/16x/32x: static "
+              + "/".join(f"{v:.0%}" for v in s[5].values()) + f", {name} " + "/".join(f"{v:.0%}" for v in b[5].values())
+              + f"); migrated {b[3]}, steps at degree 2: {b[4]}")
     return 0
 
 
