@@ -161,6 +161,9 @@ def test_calibrate_cluster_fits_degree_terms_on_the_workers(pipes, cluster):
 
     client, _ = cluster
     cost = calibrate_cluster(client, str(pipes["dit"]), rows=(1, 2), latents=(8, 12), repeats=1)
-    assert cost.per_token + cost.per_attn > 0 and cost.comm_fixed >= 0 and cost.per_comm_token >= 0
-    assert "degree > 1: 16x16@2" in cost.source  # 8x8 latent / patch 2 = 16 tokens, 1 row, degree 2
-    assert cost.step_time(36, 36, 2) != cost.step_time(36, 36, 1)
+    terms = (cost.fixed, cost.per_token, cost.per_attn, cost.comm_fixed, cost.per_comm_token)
+    # the values are this machine's (noisy under load); what they come from is not
+    assert all(t >= 0 for t in terms) and cost.fixed + cost.per_token + cost.per_attn > 0
+    # rows x (latent / patch 2)^2 tokens at degree 2, all four points timed
+    for sample in ("16x16@2", "32x16@2", "36x36@2", "72x36@2"):
+        assert sample in cost.source, cost.source

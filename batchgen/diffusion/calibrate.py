@@ -23,8 +23,9 @@ import numpy as np
 from .cost import CostModel
 
 
-def time_forward(pipe, rows: int, latent: int, repeats: int = 3, sp=None) -> float:  # noqa: ANN001 - Pipeline, UlyssesShard
-    """Best of `repeats` seconds for one forward of rows x latent^2 (sp: every member calls this)."""
+def time_forward(pipe, rows: int, latent: int, repeats: int = 3, sp=None, warm: bool = True) -> float:  # noqa: ANN001
+    """Best of `repeats` seconds for one forward of rows x latent^2 (pipe: a Pipeline; sp: an
+    UlyssesShard, every member calls this); warm: one untimed forward first."""
     import torch
 
     from .forward import predict
@@ -39,7 +40,8 @@ def time_forward(pipe, rows: int, latent: int, repeats: int = 3, sp=None) -> flo
                 "mask": torch.ones(rows, pipe.max_sequence_length, dtype=torch.long)}
     best = float("inf")
     with torch.no_grad():
-        predict(pipe, x, t, cond, sp)
+        if warm:
+            predict(pipe, x, t, cond, sp)
         for _ in range(repeats):
             start = time.perf_counter()
             predict(pipe, x, t, cond, sp)
@@ -97,7 +99,7 @@ def calibrate(pipe, rows: Sequence[int] = (1, 2, 4, 8), latents: Sequence[int] =
 
 
 def _time_on_worker(model: str, engine_options: dict, ranks: tuple[int, ...], rows: int, latent: int,
-                    repeats: int, salt: str) -> float:
+                    warm: bool, salt: str) -> float:
     """A Dask task on each member of `ranks` (one member: degree 1, no collectives)."""
     from .frame import _engine
     from .groups import Group
@@ -105,7 +107,7 @@ def _time_on_worker(model: str, engine_options: dict, ranks: tuple[int, ...], ro
 
     pipe = _engine(model, engine_options).pipe
     sp = UlyssesShard(Group.of(ranks, salt=salt)) if len(ranks) > 1 else None
-    return time_forward(pipe, rows, latent, repeats, sp)
+    return time_forward(pipe, rows, latent, 1, sp, warm)
 
 
 def calibrate_cluster(client, model: str, rows: Sequence[int] = (1, 4), latents: Sequence[int] = (8, 16, 24),  # noqa: ANN001
@@ -125,17 +127,19 @@ def calibrate_cluster(client, model: str, rows: Sequence[int] = (1, 4), latents:
     p = pipe.patch_size
     if degrees is None:
         degrees = [d for d in allowed_degrees(pipe, len(by_rank)) if d > 1]
-    ones, more = [], []
-    for r in rows:
-        for lat in latents:
-            n = (lat // p) ** 2
-            for d in (1, *degrees):
-                members = by_rank[:d]
-                futures = [client.submit(_time_on_worker, model, opts, tuple(ranks[w] for w in members), r, lat,
-                                         repeats, f"calibrate:{r}:{lat}:{d}", workers=[w], allow_other_workers=False,
-                                         pure=False) for w in members]
-                seconds = max(client.gather(futures))
-                (ones if d == 1 else more).append((r * n, n, seconds) if d == 1 else (r * n, n, d, seconds))
+    points = [(r, lat, d) for r in rows for lat in latents for d in (1, *degrees)]
+    best: dict[tuple[int, int, int], float] = {}
+    # repeats outermost: a burst of load from elsewhere hits every point once, not one point always
+    for rep in range(repeats):
+        for r, lat, d in points:
+            members = by_rank[:d]
+            futures = [client.submit(_time_on_worker, model, opts, tuple(ranks[w] for w in members), r, lat,
+                                     rep == 0, f"calibrate:{rep}:{r}:{lat}:{d}", workers=[w],
+                                     allow_other_workers=False, pure=False) for w in members]
+            seconds = max(client.gather(futures))
+            best[(r, lat, d)] = min(seconds, best.get((r, lat, d), float("inf")))
+    ones = [(r * (lat // p) ** 2, (lat // p) ** 2, s) for (r, lat, d), s in best.items() if d == 1]
+    more = [(r * (lat // p) ** 2, (lat // p) ** 2, d, s) for (r, lat, d), s in best.items() if d > 1]
     cost = fit_comm(more, fit(ones))
     shown = ", ".join(f"{bt}x{n}@{d}:{s * 1e3:.1f}ms" for bt, n, d, s in more)
     return replace(cost, source=f"calibrate_cluster on {len(by_rank)} workers, {Path(model).name}; degree > 1: {shown}")

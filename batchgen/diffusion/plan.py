@@ -11,6 +11,11 @@ forwards (the cost model's step time of each forward it takes part in). The plan
      higher degree, fewer = a lower one) while a move cuts the estimated round time (or, at an
      equal round time, the total work) by more than `switch_gain` of it. Trajectories on the
      slowest worker are tried in priority order; a trajectory with one step left is not spread.
+     The search starts from the current groups and, separately, from every trajectory at degree
+     1 on its owner (no single move leaves a poor spread); the second wins only by the gain.
+
+The cost model's step times are multiplied by the measured ratios in the state (Measured), so
+the plan follows what forwards really take on these workers.
 
 So a large image spreads over workers that would otherwise wait for it, and comes back to one
 worker when queued work fills them; where the calibrated all-to-all cost makes degree 2 slower
