@@ -169,8 +169,19 @@ def test_measured_ratios_correct_the_cost_model_in_the_plan():
     m.update([(0, BIG, 1, 0.064, 0.256), (1, SMALL, 1, 0.016, 0.016)])
     assert m.scale[(BIG, 1)] == pytest.approx(4.0) and m.scale[(SMALL, 1)] == pytest.approx(1.0)
     assert m.speed == {0: pytest.approx(1.0), 1: pytest.approx(1.0)}
+    assert m.overall == pytest.approx(0.5 * 1.0 + 0.5 * 0.272 / 0.08)  # 1 before, then 272 / 80 ms
     m.update([(0, BIG, 1, 0.064, 0.064)])
     assert m.scale[(BIG, 1)] == pytest.approx(2.5)
+    # every degree-1 forward measured 3x the model: a large image's unmeasured degree 2 is not
+    # taken at the model's word (52 ms against 192 ms) but at 3x too, and it stays at degree 1
+    # on a cost model where degree 2 wins by less than that
+    from batchgen.diffusion.plan import ClusterState
+    near = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.02)
+    state = ClusterState((0, 1), (_placed(0, [0]), _placed(1, [1], tokens=16, key=SMALL)), (), 0.0, (1, 2),
+                         {(BIG, 1): 3.0, (SMALL, 1): 3.0})
+    assert plan_round(state, "fcfs", near).groups[0] == (0, 1)  # 52 ms + 3 x 16 < 3 x 64: spread
+    from dataclasses import replace as _replace
+    assert plan_round(_replace(state, scale_default=3.0), "fcfs", near).groups[0] == (0,)
     # a worker slower at the same shape: the shape's scale takes the mean, the rank's speed the rest
     w = Measured(alpha=1.0)
     w.update([(0, SMALL, 1, 0.016, 0.016), (1, SMALL, 1, 0.016, 0.048), (0, BIG, 1, 0.064, 0.064)])

@@ -97,7 +97,7 @@ def elastic_loop(model: str, job: str, world_ranks: tuple[int, ...], requests: S
         t1 = time.perf_counter()
         waiting = tuple(request_view(pipe, i, requests[i], arrivals[i], deadlines[i]) for i in arrived)
         plan = plan_round(ClusterState(tuple(world_ranks), running, waiting, now, degrees, dict(measured.scale),
-                                       dict(measured.speed)), policy, cost, options)
+                                       dict(measured.speed), measured.overall), policy, cost, options)
         t2 = time.perf_counter()
         stats["sync_s"] += t1 - t0
         stats["plan_s"] += t2 - t1

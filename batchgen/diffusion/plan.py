@@ -79,6 +79,7 @@ class ClusterState:
     degrees: tuple[int, ...] = (1,)
     scale: dict[tuple, float] = field(default_factory=dict)
     speed: dict[int, float] = field(default_factory=dict)
+    scale_default: float = 1.0  # for a (key, degree) not measured yet: all forwards' ratio
 
 
 @dataclass(slots=True)
@@ -92,6 +93,7 @@ class Measured:
     limit: float = 20.0
     scale: dict[tuple, float] = field(default_factory=dict)
     speed: dict[int, float] = field(default_factory=dict)
+    overall: float = 1.0
 
     def update(self, samples: Sequence[tuple[int, tuple, int, float, float]]) -> None:
         """samples: (rank, key, degree, modelled s, measured s) of one round's forwards."""
@@ -103,6 +105,11 @@ class Measured:
         for k, (m, r) in by_key.items():
             if m > 0:
                 self.scale[k] = self._mix(self.scale.get(k), r / m)
+        total_m = sum(m for m, _ in by_key.values())
+        if total_m > 0:
+            # what an unmeasured (key, degree) is assumed to take: a machine slowed for every
+            # measured shape is slowed for the others too (else they would look cheap)
+            self.overall = self._mix(self.overall, sum(r for _, r in by_key.values()) / total_m)
         by_rank: dict[int, list[float]] = {}
         for rank, key, d, model_s, real_s in samples:
             acc = by_rank.setdefault(rank, [0.0, 0.0])
@@ -143,10 +150,11 @@ class _Loads:
     """Per-forward batch tokens and per-rank load, updated in O(members) per move."""
 
     def __init__(self, ranks: Sequence[int], cost: CostModel, scale: dict[tuple, float] | None = None,
-                 speed: dict[int, float] | None = None) -> None:
+                 speed: dict[int, float] | None = None, scale_default: float = 1.0) -> None:
         self.cost = cost
         self.scale = scale or {}
         self.speed = speed or {}
+        self.scale_default = scale_default
         self.batch: dict[tuple, int] = {}      # (ranks, key) -> rows x tokens
         self.tokens: dict[tuple, int] = {}     # (ranks, key) -> tokens per image
         self.load = {r: 0.0 for r in ranks}
@@ -154,7 +162,7 @@ class _Loads:
     def _fwd(self, f: tuple) -> float:
         bt = self.batch.get(f, 0)
         d = len(f[0])
-        return self.cost.step_time(bt, self.tokens[f], d) * self.scale.get((f[1], d), 1.0) if bt else 0.0
+        return self.cost.step_time(bt, self.tokens[f], d) * self.scale.get((f[1], d), self.scale_default) if bt else 0.0
 
     def add(self, v: TrajView, group: tuple[int, ...], sign: int = 1) -> None:
         f = (group, v.key)
@@ -182,7 +190,7 @@ def plan_round(state: ClusterState, policy: str, cost: CostModel, options: Elast
         groups[p.view.tid] = tuple(r for r in p.group if r in ranks) or (ranks[0],)
         views[p.view.tid] = p.view
 
-    loads = _Loads(ranks, cost, state.scale, state.speed)
+    loads = _Loads(ranks, cost, state.scale, state.speed, state.scale_default)
     owned = {r: 0 for r in ranks}
     for tid, group in groups.items():
         loads.add(views[tid], group)
@@ -217,7 +225,7 @@ def plan_round(state: ClusterState, policy: str, cost: CostModel, options: Elast
 
 def _search(groups: dict[int, tuple[int, ...]], views: dict[int, TrajView], order: list[int], ranks: tuple[int, ...],
             degrees: list[int], like: _Loads, options: ElasticOptions) -> tuple[dict[int, tuple[int, ...]], _Loads]:
-    loads = _Loads(ranks, like.cost, like.scale, like.speed)
+    loads = _Loads(ranks, like.cost, like.scale, like.speed, like.scale_default)
     owned = {r: 0 for r in ranks}
     for tid, group in groups.items():
         loads.add(views[tid], group)
