@@ -61,3 +61,137 @@ def test_cost_model_round_trip_and_fit(tmp_path):
     samples = [(r * n, n, truth.step_time(r * n, n)) for r in (1, 2, 4) for n in (16, 64, 256)]
     got = fit(samples)
     assert got.fixed == pytest.approx(2e-3, rel=1e-6) and got.per_attn == pytest.approx(1e-8, rel=1e-6)
+
+
+# ---- plan.plan_round: admissions, groups, degrees (pure) ----------------------------------------
+# step time = 1 ms per image token / degree, + 20 ms per forward at degree > 1 (no fixed cost):
+# a 64-token image takes 64 ms alone, 52 ms at degree 2; a 16-token one 16 ms.
+SP_COST = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.02)
+BIG, SMALL = ((4, 16, 16),), ((4, 8, 8),)
+
+
+def _placed(tid, group, remaining=10, tokens=64, key=BIG, rows=1):
+    from batchgen.diffusion.plan import Placed
+
+    return Placed(TrajView(tid, key, tokens, rows, remaining, float(tid)), tuple(group))
+
+
+def _state(running=(), waiting=(), ranks=(0, 1), degrees=(1, 2)):
+    from batchgen.diffusion.plan import ClusterState
+
+    return ClusterState(tuple(ranks), tuple(running), tuple(waiting), 0.0, tuple(degrees))
+
+
+def test_plan_spreads_a_large_image_over_an_idle_worker_and_not_over_a_busy_one():
+    from batchgen.diffusion.plan import plan_round
+
+    alone = plan_round(_state([_placed(0, [0])]), "fcfs", SP_COST)
+    assert alone.groups == {0: (0, 1)} and alone.est_round_s == pytest.approx(0.052)
+    assert "(0,) -> (0, 1)" in alone.reasons[0]
+    # worker 1 busy with a small image: degree 2 would make its round 68 ms > 64 ms at degree 1
+    busy = plan_round(_state([_placed(0, [0, 1]), _placed(1, [1], tokens=16, key=SMALL)]), "fcfs", SP_COST)
+    assert busy.groups == {0: (0,), 1: (1,)}
+    assert [f.ranks for f in busy.forwards] == [(0,), (1,)]
+    # the degree 2 -> 1 switch hands the trajectory to the member whose round it shortens
+    assert "(0, 1) -> (0,)" in busy.reasons[0]
+
+
+def test_plan_keeps_degree_1_where_the_all_to_all_costs_more_than_it_saves():
+    from batchgen.diffusion.plan import plan_round
+
+    slow_comm = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=2e-3, comm_fixed=0.0)
+    assert slow_comm.step_time(64, 64, 2) > slow_comm.step_time(64, 64, 1)
+    assert plan_round(_state([_placed(0, [0])]), "fcfs", slow_comm).groups == {0: (0,)}
+    # the model's heads allow degree 1 only: never spread
+    assert plan_round(_state([_placed(0, [0])], degrees=(1,)), "fcfs", SP_COST).groups == {0: (0,)}
+
+
+def test_plan_admits_in_policy_order_onto_the_shorter_round_within_slots():
+    from batchgen.diffusion.plan import ElasticOptions, plan_round
+
+    waiting = [_v(5, 40, tokens=16, key=SMALL), _v(6, 2, tokens=16, key=SMALL), _v(7, 9, tokens=64, key=BIG)]
+    plan = plan_round(_state([_placed(0, [0])], waiting), "srwf", SP_COST, ElasticOptions(max_running=2))
+    # srwf: 6 (2 steps), 7, 5; 6 goes to the idle worker 1, 7 (64 ms) next to it rather than onto
+    # worker 0's 64 ms; worker 1 is then full, so 5 joins worker 0
+    assert plan.admit == {1: (6, 7), 0: (5,)}
+    assert plan.groups == {0: (0,), 5: (0,), 6: (1,), 7: (1,)}
+    assert sum(len(f.tids) for f in plan.forwards) == 4
+    one = plan_round(_state([_placed(0, [0])], waiting), "fcfs", SP_COST, ElasticOptions(max_running=1))
+    assert one.admit == {1: (5,)}
+
+
+def test_plan_migrates_to_balance_and_orders_forwards_alike_for_every_member():
+    from batchgen.diffusion.plan import ElasticOptions, Forward, plan_round
+
+    running = [_placed(i, [0], tokens=16, key=SMALL) for i in range(4)]
+    plan = plan_round(_state(running), "fcfs", SP_COST)
+    on = [sum(g[0] == r for g in plan.groups.values()) for r in (0, 1)]
+    assert on == [2, 2] and plan.est_round_s == pytest.approx(0.032)
+    assert len(plan.reasons) == 2
+    # two large ones spread over both workers (one shared 84 ms forward + a small one's 16 ms) are
+    # better one per worker (80 ms): no single move shows it, the search from degree 1 does
+    two = plan_round(_state([_placed(0, [0, 1]), _placed(1, [0, 1]), _placed(2, [0], tokens=16, key=SMALL)]),
+                     "fcfs", SP_COST)
+    assert sorted(two.groups.values()) == [(0,), (0,), (1,)] and two.est_round_s == pytest.approx(0.08)
+    # spread trajectories of one shape share a forward, after the degree-1 forwards
+    shared = plan_round(_state([_placed(0, [0, 1]), _placed(1, [0, 1])]), "fcfs",
+                        CostModel(fixed=0.05, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.0))
+    assert shared.forwards == (Forward((0, 1), (0, 1)),)
+    mixed = plan_round(_state([_placed(0, [0, 1]), _placed(2, [0], tokens=16, key=SMALL, remaining=1),
+                               _placed(3, [1], tokens=16, key=SMALL, remaining=1)]), "fcfs", SP_COST)
+    assert [len(f.ranks) for f in mixed.forwards] == sorted(len(f.ranks) for f in mixed.forwards)
+    with pytest.raises(ValueError, match="max_running"):
+        ElasticOptions(max_running=0)
+
+
+def test_fit_comm_recovers_the_degree_terms_over_a_degree_1_fit():
+    from batchgen.diffusion.calibrate import fit, fit_comm
+
+    truth = CostModel(fixed=2e-3, per_token=3e-6, per_attn=1e-8, per_comm_token=4e-6, comm_fixed=5e-3)
+    ones = [(r * n, n, truth.step_time(r * n, n)) for r in (1, 4) for n in (16, 64, 256)]
+    twos = [(r * n, n, 2, truth.step_time(r * n, n, 2)) for r in (1, 4) for n in (16, 64, 256)]
+    got = fit_comm(twos, fit(ones))
+    assert got.comm_fixed == pytest.approx(5e-3, rel=1e-6) and got.per_comm_token == pytest.approx(4e-6, rel=1e-6)
+    # degree 2 slower than degree 1 at every size (workers sharing a core): the fit says so, and
+    # the policy keeps degree 1
+    slow = [(bt, n, 2, 1.5 * truth.step_time(bt, n)) for bt, n, _ in ones]
+    got = fit_comm(slow, fit(ones))
+    assert all(got.step_time(bt, n, 2) > got.step_time(bt, n, 1) for bt, n, _ in ones)
+    assert best_degree(256, got, free=2) == 1
+    assert fit_comm([], truth) is truth
+
+
+def test_measured_ratios_correct_the_cost_model_in_the_plan():
+    from batchgen.diffusion.plan import Measured, plan_round
+
+    m = Measured(alpha=0.5)
+    # big forwards on rank 0 took 4x the model; small ones on rank 1 as modelled
+    m.update([(0, BIG, 1, 0.064, 0.256), (1, SMALL, 1, 0.016, 0.016)])
+    assert m.scale[(BIG, 1)] == pytest.approx(4.0) and m.scale[(SMALL, 1)] == pytest.approx(1.0)
+    assert m.speed == {0: pytest.approx(1.0), 1: pytest.approx(1.0)}
+    assert m.overall == pytest.approx(0.5 * 1.0 + 0.5 * 0.272 / 0.08)  # 1 before, then 272 / 80 ms
+    m.update([(0, BIG, 1, 0.064, 0.064)])
+    assert m.scale[(BIG, 1)] == pytest.approx(2.5)
+    # every degree-1 forward measured 3x the model: a large image's unmeasured degree 2 is not
+    # taken at the model's word (52 ms against 192 ms) but at 3x too, and it stays at degree 1
+    # on a cost model where degree 2 wins by less than that
+    from batchgen.diffusion.plan import ClusterState
+    near = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.02)
+    state = ClusterState((0, 1), (_placed(0, [0]), _placed(1, [1], tokens=16, key=SMALL)), (), 0.0, (1, 2),
+                         {(BIG, 1): 3.0, (SMALL, 1): 3.0})
+    assert plan_round(state, "fcfs", near).groups[0] == (0, 1)  # 52 ms + 3 x 16 < 3 x 64: spread
+    from dataclasses import replace as _replace
+    assert plan_round(_replace(state, scale_default=3.0), "fcfs", near).groups[0] == (0,)
+    # a worker slower at the same shape: the shape's scale takes the mean, the rank's speed the rest
+    w = Measured(alpha=1.0)
+    w.update([(0, SMALL, 1, 0.016, 0.016), (1, SMALL, 1, 0.016, 0.048), (0, BIG, 1, 0.064, 0.064)])
+    # small: (16 + 48) / 32 ms -> scale 2; rank 0 then 80 ms real / 96 modelled, rank 1 48 / 32
+    assert w.scale[(SMALL, 1)] == pytest.approx(2.0)
+    assert w.speed[0] == pytest.approx(0.08 / 0.096) and w.speed[1] == pytest.approx(1.5)
+    # four small ones: an even split by the model; rank 1 measured 3x slower gets fewer
+    state = _state([_placed(i, [0], tokens=16, key=SMALL) for i in range(4)])
+    even = plan_round(state, "fcfs", SP_COST)
+    assert sorted(g[0] for g in even.groups.values()) == [0, 0, 1, 1]
+    from dataclasses import replace
+    slow1 = plan_round(replace(state, speed={0: 1.0, 1: 3.0}), "fcfs", SP_COST)
+    assert sorted(g[0] for g in slow1.groups.values()) == [0, 0, 0, 1]

@@ -1,6 +1,8 @@
 """Elastic Ulysses sequence parallelism across Dask worker processes over group-free collectives."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,54 @@ def test_diffuse_on_local_cluster(pipes, cluster, tmp_path):
         ref = engine.generate([ImageRequest(class_label=int(pdf.class_label[i]), num_inference_steps=int(pdf.num_inference_steps[i]),
                                             seed=int(pdf.seed[i]), guidance_scale=3.0)])[0]
         assert np.array_equal(png, np.asarray(ref))
+
+
+def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, cluster):
+    """run_on_cluster's elastic loop: a large image runs at degree 1 while the other worker has
+    small ones queued, then spreads over both workers once they are done; images equal degree 1.
+    The cost model is taken as given (adapt=False): measured times would replace it."""
+    from batchgen.diffusion.cluster import run_on_cluster
+    from batchgen.diffusion.cost import CostModel
+    from batchgen.diffusion.plan import ElasticOptions
+
+    client, _ = cluster
+    path = str(pipes["dit"])
+    # 1 ms per image token / degree, 20 ms per degree-2 forward: the 64-token image takes 64 ms
+    # alone, 52 ms spread; spreading it over a worker busy with a 16-token image would make 68 ms
+    cost = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.02)
+    large = ImageRequest(class_label=3, height=32, width=32, num_inference_steps=24, guidance_scale=1.0, seed=7)
+    small = [ImageRequest(class_label=i, height=16, width=16, num_inference_steps=3, guidance_scale=1.0 + i, seed=i)
+             for i in range(4)]
+    reqs = [large, *small, ImageRequest(class_label=99, height=16, width=16, num_inference_steps=3)]
+    fixed = ElasticOptions(max_running=1, adapt=False)
+    res = run_on_cluster(client, path, reqs, policy="fcfs", cost=cost, elastic=fixed, keep_arrays=True)
+    assert "class_label 99" in res[-1].error and res[-1].png is None
+    degrees = res[0].degrees
+    assert len(degrees) == 24 and degrees[0] == 1 and 2 in degrees, degrees
+    first_two = degrees.index(2)
+    assert first_two >= 4 * 3 - 1 and set(degrees[first_two:-1]) == {2}, degrees  # after the small ones
+    assert all(r.degrees == (1, 1, 1) for r in res[1:5])
+    engine = DiffusionEngine(path)
+    for r, req in zip(res[:5], reqs[:5]):
+        alone = engine.generate_outputs([req])[0].array
+        assert r.error is None and np.abs(r.array - alone).max() <= 1e-5
+    # a cost model where the all-to-all costs more than it saves: degree 1 throughout
+    slow = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=2e-3, comm_fixed=0.0)
+    # (the small one arrives later: admitted once it has)
+    t0 = time.time()
+    again = run_on_cluster(client, path, reqs[:2], policy="srwf", cost=slow, elastic=fixed, arrivals=[0.0, 0.5])
+    assert again[0].degrees == (1,) * 24 and again[1].degrees == (1,) * 3
+    assert again[1].finished_at - t0 >= 0.5
+
+
+def test_calibrate_cluster_fits_degree_terms_on_the_workers(pipes, cluster):
+    from batchgen.diffusion.calibrate import calibrate_cluster
+
+    client, _ = cluster
+    cost = calibrate_cluster(client, str(pipes["dit"]), rows=(1, 2), latents=(8, 12), repeats=1)
+    terms = (cost.fixed, cost.per_token, cost.per_attn, cost.comm_fixed, cost.per_comm_token)
+    # the values are this machine's (noisy under load); what they come from is not
+    assert all(t >= 0 for t in terms) and cost.fixed + cost.per_token + cost.per_attn > 0
+    # rows x (latent / patch 2)^2 tokens at degree 2, all four points timed
+    for sample in ("16x16@2", "32x16@2", "36x36@2", "72x36@2"):
+        assert sample in cost.source, cost.source

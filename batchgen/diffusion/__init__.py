@@ -14,6 +14,8 @@ _EXPORTS = {
     "ImageOutput": "batchgen.diffusion.engine",
     "ImageRequest": "batchgen.diffusion.request",
     "CostModel": "batchgen.diffusion.cost",
+    "ElasticOptions": "batchgen.diffusion.plan",
+    "run_on_cluster": "batchgen.diffusion.cluster",
     "diffuse": "batchgen.diffusion.frame",
 }
 __all__ = sorted(_EXPORTS)

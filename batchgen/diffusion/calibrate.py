@@ -1,9 +1,14 @@
 """Fit the step-time CostModel on this machine by timing real forwards of a pipeline.
 
-    python -m batchgen.diffusion.calibrate PIPELINE_DIR [--out cost.json]
+    python -m batchgen.diffusion.calibrate PIPELINE_DIR [--workers 2] [--out cost.json]
 
-Times predict() for rows x image sizes (best of 3 each), least-squares fits fixed, per_token and
-per_attn (degree 1). The degree > 1 terms come from sp measurements (`fit_comm`), else defaults.
+Times predict() for rows x image sizes (best of 3 each) and fits fixed, per_token and per_attn
+by non-negative least squares (degree 1). With workers (`calibrate_cluster`, or --workers N: a
+LocalCluster of N one-thread processes), degree 1 is timed on one Dask worker and degree d on d
+workers at once (Ulysses over the group-free collectives); what a degree-d forward takes beyond
+the degree-1 compute split d ways is fitted as comm_fixed (per forward) + per_comm_token (per
+image token, x (d-1)/d: the all-to-all's share that leaves each member). Where the workers
+share too few cores that excess is large, and the policy, reading it, keeps degree 1.
 """
 from __future__ import annotations
 
@@ -11,13 +16,16 @@ import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
 from .cost import CostModel
 
 
-def time_forward(pipe, rows: int, latent: int, repeats: int = 3) -> float:  # noqa: ANN001 - a Pipeline
+def time_forward(pipe, rows: int, latent: int, repeats: int = 3, sp=None, warm: bool = True) -> float:  # noqa: ANN001
+    """Best of `repeats` seconds for one forward of rows x latent^2 (pipe: a Pipeline; sp: an
+    UlyssesShard, every member calls this); warm: one untimed forward first."""
     import torch
 
     from .forward import predict
@@ -32,34 +40,52 @@ def time_forward(pipe, rows: int, latent: int, repeats: int = 3) -> float:  # no
                 "mask": torch.ones(rows, pipe.max_sequence_length, dtype=torch.long)}
     best = float("inf")
     with torch.no_grad():
-        predict(pipe, x, t, cond)
+        if warm:
+            predict(pipe, x, t, cond, sp)
         for _ in range(repeats):
             start = time.perf_counter()
-            predict(pipe, x, t, cond)
+            predict(pipe, x, t, cond, sp)
             best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares over few terms: the best fit among the column subsets whose
+    unconstrained solution is non-negative (clipping a negative term would skew the others)."""
+    import itertools
+
+    n = a.shape[1]
+    best, best_err = np.zeros(n), float("inf")
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if (sub < 0).any():
+                continue
+            coef = np.zeros(n)
+            coef[list(cols)] = sub
+            err = float(np.sum((a @ coef - y) ** 2))
+            if err < best_err:
+                best, best_err = coef, err
     return best
 
 
 def fit(samples: Sequence[tuple[int, int, float]], base: CostModel | None = None) -> CostModel:
     """samples: (batch tokens, tokens per image, seconds) -> CostModel (non-negative terms)."""
-    import itertools
-
     a = np.array([[1.0, bt, bt * n] for bt, n, _ in samples])
     y = np.array([s for _, _, s in samples])
-    # non-negative least squares over 3 terms: the best fit among the column subsets whose
-    # unconstrained solution is non-negative (clipping a negative term would skew the others)
-    best, best_err = np.zeros(3), float("inf")
-    for k in (1, 2, 3):
-        for cols in itertools.combinations(range(3), k):
-            sub, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
-            if (sub < 0).any():
-                continue
-            coef = np.zeros(3)
-            coef[list(cols)] = sub
-            err = float(np.sum((a @ coef - y) ** 2))
-            if err < best_err:
-                best, best_err = coef, err
+    best = _nnls(a, y)
     return replace(base or CostModel(), fixed=float(best[0]), per_token=float(best[1]), per_attn=float(best[2]))
+
+
+def fit_comm(samples: Sequence[tuple[int, int, int, float]], base: CostModel) -> CostModel:
+    """samples: (batch tokens, tokens per image, degree > 1, seconds) -> `base` with comm_fixed and
+    per_comm_token fitted to what each forward took beyond base's degree-1 terms split d ways."""
+    if not samples:
+        return base
+    a = np.array([[1.0, bt * (d - 1) / d] for bt, _, d, _ in samples])
+    y = np.array([s - base.fixed - (base.per_token * bt + base.per_attn * bt * n) / d for bt, n, d, s in samples])
+    best = _nnls(a, y)
+    return replace(base, comm_fixed=float(best[0]), per_comm_token=float(best[1]))
 
 
 def calibrate(pipe, rows: Sequence[int] = (1, 2, 4, 8), latents: Sequence[int] = (8, 16, 32)) -> CostModel:  # noqa: ANN001
@@ -72,14 +98,69 @@ def calibrate(pipe, rows: Sequence[int] = (1, 2, 4, 8), latents: Sequence[int] =
     return fit(samples)
 
 
+def _time_on_worker(model: str, engine_options: dict, ranks: tuple[int, ...], rows: int, latent: int,
+                    warm: bool, salt: str) -> float:
+    """A Dask task on each member of `ranks` (one member: degree 1, no collectives)."""
+    from .frame import _engine
+    from .groups import Group
+    from .sp import UlyssesShard
+
+    pipe = _engine(model, engine_options).pipe
+    sp = UlyssesShard(Group.of(ranks, salt=salt)) if len(ranks) > 1 else None
+    return time_forward(pipe, rows, latent, 1, sp, warm)
+
+
+def calibrate_cluster(client, model: str, rows: Sequence[int] = (1, 4), latents: Sequence[int] = (8, 16, 24),  # noqa: ANN001
+                      degrees: Sequence[int] | None = None, repeats: int = 3,
+                      engine_options: dict | None = None) -> CostModel:
+    """The whole CostModel measured on the Dask workers of `client` (see the module docstring);
+    degrees: those to time beyond 1 (default: every one up to the worker count that divides the
+    model's heads). The world is started if it is not (sp_cluster.world_ranks)."""
+    from .cluster_elastic import allowed_degrees
+    from .frame import _engine
+    from .sp_cluster import world_ranks
+
+    opts = dict(engine_options or {})
+    ranks = world_ranks(client)
+    by_rank = sorted(ranks, key=ranks.get)
+    pipe = _engine(model, opts).pipe
+    p = pipe.patch_size
+    if degrees is None:
+        degrees = [d for d in allowed_degrees(pipe, len(by_rank)) if d > 1]
+    points = [(r, lat, d) for r in rows for lat in latents for d in (1, *degrees)]
+    best: dict[tuple[int, int, int], float] = {}
+    # repeats outermost: a burst of load from elsewhere hits every point once, not one point always
+    for rep in range(repeats):
+        for r, lat, d in points:
+            members = by_rank[:d]
+            futures = [client.submit(_time_on_worker, model, opts, tuple(ranks[w] for w in members), r, lat,
+                                     rep == 0, f"calibrate:{rep}:{r}:{lat}:{d}", workers=[w],
+                                     allow_other_workers=False, pure=False) for w in members]
+            seconds = max(client.gather(futures))
+            best[(r, lat, d)] = min(seconds, best.get((r, lat, d), float("inf")))
+    ones = [(r * (lat // p) ** 2, (lat // p) ** 2, s) for (r, lat, d), s in best.items() if d == 1]
+    more = [(r * (lat // p) ** 2, (lat // p) ** 2, d, s) for (r, lat, d), s in best.items() if d > 1]
+    cost = fit_comm(more, fit(ones))
+    shown = ", ".join(f"{bt}x{n}@{d}:{s * 1e3:.1f}ms" for bt, n, d, s in more)
+    return replace(cost, source=f"calibrate_cluster on {len(by_rank)} workers, {Path(model).name}; degree > 1: {shown}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m batchgen.diffusion.calibrate")
     ap.add_argument("model")
+    ap.add_argument("--workers", type=int, default=1, help="> 1: also fit the degree terms on a LocalCluster")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    from .pipeline import load_pipeline
+    if args.workers > 1:
+        from distributed import Client, LocalCluster
 
-    model = calibrate(load_pipeline(args.model))
+        with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                          env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as cluster, Client(cluster) as client:
+            model = calibrate_cluster(client, args.model)
+    else:
+        from .pipeline import load_pipeline
+
+        model = calibrate(load_pipeline(args.model))
     print(model)
     if args.out:
         model.save(args.out)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cost import CostModel
-from .policy import TrajView, priority
+from .plan import ElasticOptions
+from .policy import TrajView, check_policy, priority
 from .request import ImageRequest
 
 
@@ -29,15 +30,34 @@ class ImageResult:
     png: bytes | None
     error: str | None
     finished_at: float       # time.time() on the worker
-    worker: str
+    worker: str              # the worker that decoded it
     migrated: bool = False
+    degrees: tuple[int, ...] = ()   # elastic runs: the sequence-parallel degree of each step
+    array: Any = None        # keep_arrays: [H, W, 3] float32 before quantisation
 
 
 def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *, policy: str = "srwf",
                    max_running: int = 8, admit_per_step: int = 2, deadlines: Sequence[float | None] | None = None,
-                   migrate: bool = True, cost: CostModel | None = None, engine_options: dict | None = None
-                   ) -> list[ImageResult]:
-    """Run `requests` on every worker of `client`; -> results in input order."""
+                   migrate: bool = True, cost: CostModel | None = None, engine_options: dict | None = None,
+                   elastic: bool | ElasticOptions = True, arrivals: Sequence[float] | None = None,
+                   keep_arrays: bool = False, stats: list | None = None) -> list[ImageResult]:
+    """Run `requests` on every worker of `client`; -> results in input order.
+
+    elastic (default): the workers join one gloo world (once) and run the elastic loop
+    (cluster_elastic.py): every step boundary, plan.plan_round decides admissions, migrations
+    and each trajectory's sequence-parallel degree from `cost` (calibrate it: calibrate.py);
+    an ElasticOptions sets its knobs (max_running / admit_per_step otherwise). elastic=False:
+    free-running loops at degree 1 over distributed Queues, idle workers stealing (`migrate`).
+    arrivals: seconds after the start before each request may be admitted (default all at 0).
+    stats: a list to extend with each worker loop's counters (rounds, forwards, seconds in sync...)."""
+    check_policy(policy)
+    if elastic is not False:
+        return _run_elastic(client, model, requests, policy, deadlines, arrivals, cost or CostModel(),
+                            elastic if isinstance(elastic, ElasticOptions)
+                            else ElasticOptions(max_running=max_running, admit_per_round=admit_per_step),
+                            engine_options or {}, keep_arrays, stats)
+    if arrivals is not None:
+        raise ValueError("arrivals need the elastic loop (elastic=True)")
     from distributed import Queue
 
     job = uuid.uuid4().hex[:8]
@@ -53,13 +73,55 @@ def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *,
                            engine_options or {},
                            workers=[w], allow_other_workers=False, pure=False, key=f"bg-diff-loop-{job}-{i}")
              for i, w in enumerate(workers)]
-    done_queue = Queue(f"bg-diff-out-{job}")
-    results: list[ImageResult | None] = [None] * len(requests)
-    for _ in range(len(requests)):
-        res = done_queue.get()
-        results[res.index] = res
+    results = _collect(job, len(requests), loops)
     Queue(f"bg-diff-done-{job}").put(True)
-    client.gather(loops)
+    got = client.gather(loops)
+    if stats is not None:
+        stats.extend(got)
+    return results
+
+
+def _run_elastic(client: Any, model: str, requests: Sequence[ImageRequest], policy: str,
+                 deadlines: Sequence[float | None] | None, arrivals: Sequence[float] | None, cost: CostModel,
+                 options: ElasticOptions, engine_options: dict, keep_arrays: bool, stats: list | None
+                 ) -> list[ImageResult]:
+    from .cluster_elastic import elastic_loop
+    from .sp_cluster import world_ranks
+
+    n = len(requests)
+    if arrivals is not None and len(arrivals) != n or deadlines is not None and len(deadlines) != n:
+        raise ValueError(f"arrivals and deadlines need one entry per request ({n})")
+    job = uuid.uuid4().hex[:8]
+    ranks = world_ranks(client)
+    world = tuple(sorted(ranks.values()))
+    requests = list(requests)
+    loops = [client.submit(elastic_loop, model, job, world, requests, list(deadlines or [None] * n),
+                           list(arrivals or [0.0] * n), policy, options, cost, engine_options, keep_arrays,
+                           workers=[w], allow_other_workers=False, pure=False, key=f"bg-diff-elastic-{job}-{r}")
+             for w, r in sorted(ranks.items(), key=lambda kv: kv[1])]
+    results = _collect(job, n, loops)
+    got = client.gather(loops)
+    if stats is not None:
+        stats.extend(got)
+    return results
+
+
+def _collect(job: str, n: int, loops: list[Any] | None = None) -> list[ImageResult]:
+    """The job's n results off its output Queue, in input order (a failed loop raises)."""
+    from distributed import Queue
+
+    done_queue = Queue(f"bg-diff-out-{job}")
+    results: list[ImageResult | None] = [None] * n
+    got = 0
+    while got < n:
+        res = _get(done_queue, 0.5)
+        if res is None:
+            for f in loops or []:
+                if f.status == "error":
+                    f.result()  # raises the worker's exception
+            continue
+        results[res.index] = res
+        got += 1
     return results  # type: ignore[return-value]
 
 

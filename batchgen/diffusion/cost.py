@@ -21,6 +21,7 @@ class CostModel:
     per_attn: float = 2e-9
     per_comm_token: float = 1e-6
     comm_fixed: float = 1e-3
+    source: str = ""  # what it was fitted from (calibrate.py); "" for these defaults
 
     def step_time(self, batch_tokens: int, tokens: int, degree: int = 1) -> float:
         t = self.fixed + (self.per_token * batch_tokens + self.per_attn * batch_tokens * tokens) / degree

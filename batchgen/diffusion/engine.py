@@ -137,10 +137,16 @@ class DiffusionEngine:
     def suspend(self, tid: int) -> bytes:
         """Take a trajectory out at its step boundary -> bytes that `resume` (here or on another
         engine of the same model) continues from, bit-identically on CPU fp32."""
+        data = self.snapshot(tid, "suspended")
+        self.drop(tid)
+        return data
+
+    def snapshot(self, tid: int, why: str = "copied") -> bytes:
+        """A trajectory's state as `suspend` gives it, the trajectory staying here (a copy for
+        the other members of a sequence-parallel group)."""
         self._admit()
-        traj = self._trajs.pop(tid)
-        self._meta.pop(tid, None)
-        live = self._live.pop(tid, None)
+        traj = self._trajs[tid]
+        live = self._live.get(tid)
         if live is not None and traj.status is Status.DENOISED:
             traj.latents = traj.latents.cpu()
         elif live is not None:
@@ -149,8 +155,18 @@ class DiffusionEngine:
             traj.rng_state = live.generator.get_state()
             traj.latents = traj.latents.cpu()
             traj.cond = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in traj.cond.items()}
-        traj.reasons.append(f"suspended at step {traj.step}")
-        return to_bytes(traj)
+        traj.reasons.append(f"{why} at step {traj.step}")
+        data = to_bytes(traj)
+        if live is not None and self.device != "cpu":
+            traj.latents = traj.latents.to(self.device)
+            traj.cond = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in traj.cond.items()}
+        return data
+
+    def drop(self, tid: int) -> None:
+        """Forget a trajectory without an output (it lives on elsewhere)."""
+        self._trajs.pop(tid)
+        self._meta.pop(tid, None)
+        self._live.pop(tid, None)
 
     def resume(self, data: bytes, *, deadline: float | None = None, arrival: float | None = None) -> int:
         """Continue a suspended trajectory here; -> its new id on this engine."""
@@ -188,9 +204,34 @@ class DiffusionEngine:
         t = self._trajs[tid]
         if t.status is not Status.RUNNING:
             raise ValueError(f"trajectory {tid} is {t.status.value}, not running")
-        step_group(self.pipe, [t], [self._live[tid]], self._uncond, sp)
-        if t.remaining_steps == 0:
-            t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
+        self.step_trajectories([tid], sp)
+
+    def step_trajectories(self, tids: Sequence[int], sp: UlyssesShard | None = None) -> None:
+        """One step of these trajectories in one forward (same group_key), sequence-parallel over
+        sp's group when given; those not running (failed at admission) are skipped."""
+        self._admit()
+        trajs = [self._trajs[tid] for tid in tids if self._trajs[tid].status is Status.RUNNING]
+        if not trajs:
+            return
+        step_group(self.pipe, trajs, [self._live[t.tid] for t in trajs], self._uncond, sp)
+        self.num_forwards += 1
+        self.num_steps_taken += len(trajs)
+        for t in trajs:
+            if t.remaining_steps == 0:
+                t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
+
+    def fail(self, tid: int, error: str) -> None:
+        """End a trajectory with `error` (its output comes at the next collect or step)."""
+        t = self._trajs[tid]
+        t.error = error
+        t.move(Status.FAILED, error)
+
+    def collect(self) -> list[ImageOutput]:
+        """Decode the trajectories that have taken all their steps (batched per shape) -> the
+        outputs finished since the last step or collect, failed admissions included."""
+        self._decode_finished()
+        out, self._done = self._done, []
+        return out
 
     # ---- whole jobs -----------------------------------------------------------------------
     def stream(self, requests: Iterable[ImageRequest], max_in_flight: int = 256) -> Iterator[ImageOutput]:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 _TAG_SPACE = 2**31 - 1
+_SLOT = 1 << 16  # bytes of a world all-gather's fixed slot (all_gather_bytes)
 
 
 def init_world(rank: int, world_size: int, init_method: str, timeout_s: float = 120.0) -> None:
@@ -76,6 +77,59 @@ def all_gather(group: Group, tensor: torch.Tensor, shapes: list[tuple[int, ...]]
     """-> every member's tensor (shapes[i] from member i), in member order."""
     me = group.index()
     return all_to_all(group, [tensor] * group.size, [tuple(tensor.shape) if i == me else s for i, s in enumerate(shapes)])
+
+
+def all_gather_bytes(group: Group, payload: bytes) -> list[bytes]:
+    """-> every member's bytes, in member order (lengths first, then the bytes). A group of the
+    whole world uses the world communicator's own all-gather (set up at start-up; gloo's
+    collective is faster than its point-to-point path)."""
+    if sorted(group.ranks) == list(range(dist.get_world_size())):
+        # one collective when every payload fits a fixed slot (8-byte length, then the bytes):
+        # each collective is a wait for every member, costly on a loaded machine
+        slot = torch.zeros(8 + _SLOT, dtype=torch.uint8)
+        slot[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        if len(payload) <= _SLOT:
+            slot[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        slots = [torch.empty_like(slot) for _ in range(group.size)]
+        dist.all_gather(slots, slot)
+        lengths = [int(x[:8].view(torch.int64).item()) for x in slots]
+        if max(lengths) <= _SLOT:
+            return [slots[r][8:8 + lengths[r]].numpy().tobytes() for r in group.ranks]
+        parts: list = [None] * group.size
+        dist.all_gather_object(parts, payload)
+        return [parts[r] for r in group.ranks]
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    lengths = all_gather(group, torch.tensor([len(payload)], dtype=torch.int64), [(1,)] * group.size)
+    parts = all_gather(group, mine, [(int(n.item()),) for n in lengths])
+    return [p.numpy().tobytes() for p in parts]
+
+
+def send_recv_bytes(moves: list[tuple[int, int, int]], payloads: dict[int, bytes]) -> dict[int, bytes]:
+    """Point-to-point copies among any ranks: moves are (source rank, destination rank, key),
+    listed alike by every rank; this rank sends payloads[key] where it is the source and -> the
+    bytes it receives, by key. Tags come from (source, destination, key), so unrelated copies
+    between the same pair never mix."""
+    me = dist.get_rank()
+    mine = [(s, d, k) for s, d, k in moves if me in (s, d) and s != d]
+    if not mine:
+        return {}
+
+    def tag(s: int, d: int, k: int, part: int) -> int:
+        digest = hashlib.blake2b(repr((s, d, k, part)).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") % _TAG_SPACE
+
+    sizes = {m: torch.tensor([len(payloads[m[2]]) if m[0] == me else 0], dtype=torch.int64) for m in mine}
+    ops = [dist.P2POp(dist.isend if s == me else dist.irecv, sizes[(s, d, k)], d if s == me else s,
+                      tag=tag(s, d, k, 0)) for s, d, k in mine]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    bufs = {m: (torch.frombuffer(bytearray(payloads[m[2]]), dtype=torch.uint8) if m[0] == me
+                else torch.empty(int(sizes[m].item()), dtype=torch.uint8)) for m in mine}
+    ops = [dist.P2POp(dist.isend if s == me else dist.irecv, bufs[(s, d, k)], d if s == me else s,
+                      tag=tag(s, d, k, 1)) for s, d, k in mine]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return {k: bufs[(s, d, k)].numpy().tobytes() for s, d, k in mine if d == me}
 
 
 def world_info() -> dict[str, int]:

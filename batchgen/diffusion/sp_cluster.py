@@ -27,6 +27,26 @@ def start_world(client: Any) -> dict[str, int]:
     return ranks
 
 
+def world_ranks(client: Any) -> dict[str, int]:
+    """Every worker's world rank, starting the world if it is not up; a worker that joined after
+    start-up (not in the world) is an error naming it."""
+    got = client.run(_rank_or_none)
+    if any(r is None for r in got.values()):
+        if all(r is None for r in got.values()):
+            start_world(client)
+            got = client.run(_rank_or_none)
+        else:
+            missing = sorted(w for w, r in got.items() if r is None)
+            raise RuntimeError(f"workers {missing} joined after the gloo world started; restart the cluster")
+    return got
+
+
+def _rank_or_none() -> int | None:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else None
+
+
 def sp_steps(model: str, state: bytes, ranks: tuple[int, ...], steps: int,
              engine_options: dict[str, Any] | None = None) -> bytes | None:
     """A member's part of `steps` Ulysses steps of one trajectory (a Dask task)."""
