@@ -5,15 +5,21 @@
     the targets name (static / batchgen >= 2.3, batchgen / ideal <= 1.05). Run for the rows in
     random order and sorted by output length (long rows last: the order that makes static
     partitioning leave most GPUs idle).
-(2) How long simulating 1M rows on 128 workers takes on this machine (target: < 2 minutes).
+    The mixed workload (a file of reasoning, chat and classification sources, README's workload
+    statement) in random order and grouped by source: --workload mixed --orders random,grouped.
+(2) How long simulating 1M rows on 128 workers takes on this machine (target: < 2 minutes); it
+    prints the load average around the run, as other jobs share the cores.
 
     python benchmarks/bench_sim.py                    # (1), both orders, ~5-10 min on 2 cores
+    python benchmarks/bench_sim.py --workload mixed --orders random,grouped
     python benchmarks/bench_sim.py --million          # (2): the batchgen policy on 1M rows
     python benchmarks/bench_sim.py --rows 20000 --workers 32 --orders random   # quicker
 """
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import time
 
 from batchgen.sim.cluster import ClusterSimConfig, simulate
@@ -46,6 +52,7 @@ def fleet(rows: int, workers: int, profile: str, model: str, order: str, workloa
 
 def million(rows: int, workers: int, profile: str, model: str, workload: str) -> None:
     cost = build_cost(load_profile(profile), load_shape(model))
+    load0 = os.getloadavg()[0]
     t0, cpu0 = time.perf_counter(), time.process_time()
     w = synthetic(workload, rows, seed=0)
     engine = EngineSimConfig()
@@ -55,7 +62,9 @@ def million(rows: int, workers: int, profile: str, model: str, workload: str) ->
     print(f"{rows} rows ({workload}) on {workers} x {model} on {profile}, batchgen policy: simulated BCT "
           f"{result.bct_s / 3600:.2f} h (ideal {ideal_bound(w, cost, engine, workers).bct_s / 3600:.2f} h), "
           f"{result.migrated_coroutines} coroutines moved; simulating took {wall:.0f} s wall, {cpu:.0f} s of CPU "
-          f"(target < 120 s; the CPU time is what an unshared core would take)")
+          f"(target < 120 s; the CPU time is what an unshared core would take); load average "
+          f"{load0:.1f} before, {os.getloadavg()[0]:.1f} after; peak memory "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
 
 
 def main() -> None:
