@@ -27,17 +27,19 @@ from batchgen.sim.cost import build_cost
 from batchgen.sim.engine import EngineSimConfig
 from batchgen.sim.oblivious import oblivious_bct
 from batchgen.sim.plan import default_tick, format_report, ideal_bound, run_plan
-from batchgen.sim.policies import BatchGen
+from batchgen.sim.policies import DEFAULT_POLICIES, BatchGen
 from batchgen.sim.profiles import load_profile
 from batchgen.sim.shapes import load_shape
 from batchgen.sim.workload import synthetic
 
 
-def fleet(rows: int, workers: int, profile: str, model: str, order: str, workload: str) -> None:
+def fleet(rows: int, workers: int, profile: str, model: str, order: str, workload: str,
+          policies: tuple[str, ...] = ("static", "dynamic", "batchgen")) -> None:
     cost = build_cost(load_profile(profile), load_shape(model))
     w = synthetic(workload, rows, seed=0, order=order)  # type: ignore[arg-type]
     t0, cpu0 = time.perf_counter(), time.process_time()
-    report = run_plan(w, cost, EngineSimConfig(), ClusterSimConfig(workers))
+    chosen = tuple(p for p in DEFAULT_POLICIES if p.name in policies)
+    report = run_plan(w, cost, EngineSimConfig(), ClusterSimConfig(workers), chosen)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     fifo = oblivious_bct(w, cost, EngineSimConfig(), workers)
     print(format_report(report, f"{rows} rows ({workload}, {order} order), {workers} x {model} on {profile}"))
@@ -75,13 +77,16 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--workload", default="reasoning")
     ap.add_argument("--orders", default="random,sorted")
+    ap.add_argument("--policies", default="static,dynamic,batchgen", help="which to simulate (static and "
+                    "batchgen are the ratios the targets name)")
     ap.add_argument("--million", action="store_true", help="time 1M rows (batchgen policy) instead")
     args = ap.parse_args()
     if args.million:
         million(1_000_000 if args.rows == 100_000 else args.rows, args.workers, args.profile, args.model, args.workload)
         return
     for order in args.orders.split(","):
-        fleet(args.rows, args.workers, args.profile, args.model, order, args.workload)
+        fleet(args.rows, args.workers, args.profile, args.model, order, args.workload,
+              tuple(args.policies.split(",")))
 
 
 if __name__ == "__main__":
