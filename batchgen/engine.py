@@ -390,6 +390,7 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "kv_used_fraction": 1 - self.allocator.num_free / self.allocator.num_blocks,
+            "kv_capacity_tokens": self.allocator.capacity_tokens, "max_num_seqs": self.config.max_num_seqs,
             "remaining_tokens": sum(s.remaining_tokens for s in unfinished),
             "remaining_by_seq": {int(s.seq_id): s.remaining_tokens for s in unfinished},
         }

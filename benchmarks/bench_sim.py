@@ -5,15 +5,21 @@
     the targets name (static / batchgen >= 2.3, batchgen / ideal <= 1.05). Run for the rows in
     random order and sorted by output length (long rows last: the order that makes static
     partitioning leave most GPUs idle).
-(2) How long simulating 1M rows on 128 workers takes on this machine (target: < 2 minutes).
+    The mixed workload (a file of reasoning, chat and classification sources, README's workload
+    statement) in random order and grouped by source: --workload mixed --orders random,grouped.
+(2) How long simulating 1M rows on 128 workers takes on this machine (target: < 2 minutes); it
+    prints the load average around the run, as other jobs share the cores.
 
     python benchmarks/bench_sim.py                    # (1), both orders, ~5-10 min on 2 cores
+    python benchmarks/bench_sim.py --workload mixed --orders random,grouped
     python benchmarks/bench_sim.py --million          # (2): the batchgen policy on 1M rows
     python benchmarks/bench_sim.py --rows 20000 --workers 32 --orders random   # quicker
 """
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import time
 
 from batchgen.sim.cluster import ClusterSimConfig, simulate
@@ -21,17 +27,19 @@ from batchgen.sim.cost import build_cost
 from batchgen.sim.engine import EngineSimConfig
 from batchgen.sim.oblivious import oblivious_bct
 from batchgen.sim.plan import default_tick, format_report, ideal_bound, run_plan
-from batchgen.sim.policies import BatchGen
+from batchgen.sim.policies import DEFAULT_POLICIES, BatchGen
 from batchgen.sim.profiles import load_profile
 from batchgen.sim.shapes import load_shape
 from batchgen.sim.workload import synthetic
 
 
-def fleet(rows: int, workers: int, profile: str, model: str, order: str, workload: str) -> None:
+def fleet(rows: int, workers: int, profile: str, model: str, order: str, workload: str,
+          policies: tuple[str, ...] = ("static", "dynamic", "batchgen")) -> None:
     cost = build_cost(load_profile(profile), load_shape(model))
     w = synthetic(workload, rows, seed=0, order=order)  # type: ignore[arg-type]
     t0, cpu0 = time.perf_counter(), time.process_time()
-    report = run_plan(w, cost, EngineSimConfig(), ClusterSimConfig(workers))
+    chosen = tuple(p for p in DEFAULT_POLICIES if p.name in policies)
+    report = run_plan(w, cost, EngineSimConfig(), ClusterSimConfig(workers), chosen)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     fifo = oblivious_bct(w, cost, EngineSimConfig(), workers)
     print(format_report(report, f"{rows} rows ({workload}, {order} order), {workers} x {model} on {profile}"))
@@ -46,6 +54,7 @@ def fleet(rows: int, workers: int, profile: str, model: str, order: str, workloa
 
 def million(rows: int, workers: int, profile: str, model: str, workload: str) -> None:
     cost = build_cost(load_profile(profile), load_shape(model))
+    load0 = os.getloadavg()[0]
     t0, cpu0 = time.perf_counter(), time.process_time()
     w = synthetic(workload, rows, seed=0)
     engine = EngineSimConfig()
@@ -55,7 +64,9 @@ def million(rows: int, workers: int, profile: str, model: str, workload: str) ->
     print(f"{rows} rows ({workload}) on {workers} x {model} on {profile}, batchgen policy: simulated BCT "
           f"{result.bct_s / 3600:.2f} h (ideal {ideal_bound(w, cost, engine, workers).bct_s / 3600:.2f} h), "
           f"{result.migrated_coroutines} coroutines moved; simulating took {wall:.0f} s wall, {cpu:.0f} s of CPU "
-          f"(target < 120 s; the CPU time is what an unshared core would take)")
+          f"(target < 120 s; the CPU time is what an unshared core would take); load average "
+          f"{load0:.1f} before, {os.getloadavg()[0]:.1f} after; peak memory "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
 
 
 def main() -> None:
@@ -66,13 +77,16 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--workload", default="reasoning")
     ap.add_argument("--orders", default="random,sorted")
+    ap.add_argument("--policies", default="static,dynamic,batchgen", help="which to simulate (static and "
+                    "batchgen are the ratios the targets name)")
     ap.add_argument("--million", action="store_true", help="time 1M rows (batchgen policy) instead")
     args = ap.parse_args()
     if args.million:
         million(1_000_000 if args.rows == 100_000 else args.rows, args.workers, args.profile, args.model, args.workload)
         return
     for order in args.orders.split(","):
-        fleet(args.rows, args.workers, args.profile, args.model, order, args.workload)
+        fleet(args.rows, args.workers, args.profile, args.model, order, args.workload,
+              tuple(args.policies.split(",")))
 
 
 if __name__ == "__main__":

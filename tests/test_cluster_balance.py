@@ -161,3 +161,36 @@ def test_speeds_within_tolerance_count_as_equal() -> None:
                                                                 load("c", [])])
     with pytest.raises(ValueError, match="speed_tolerance"):
         BalanceConfig(speed_tolerance=0.5)
+
+
+def _sized(base: EngineLoad, kv_capacity_tokens: int, max_num_seqs: int) -> EngineLoad:
+    return EngineLoad(base.worker, base.model, base.ready, base.waiting, base.running, base.remaining_tokens,
+                      base.kv_used, base.tokens_per_s, base.movable, base.speed, kv_capacity_tokens, max_num_seqs)
+
+
+def test_running_coroutines_move_only_into_the_kv_the_plan_leaves_free() -> None:
+    """Two idle destinations of 1000 free KV tokens each (below max_kv_used 0.9 of 2000, half
+    used): orders planned in one round count against them, so no destination is sent more
+    started KV than it holds free, and what does not fit stays put."""
+    src = load("a", [(i, 400, 300) for i in range(12)])  # 12 x 300 KV tokens, 4800 to generate
+    dsts = [_sized(load(name, [], kv_used=0.4), 2000, 64) for name in ("b", "c")]
+    orders = plan_migrations([_sized(src, 8000, 64)] + dsts)
+    kv_in: dict[str, int] = {}
+    for o in orders:
+        kv_in[o.dst] = kv_in.get(o.dst, 0) + 300 * len(o.seq_ids)
+    assert orders and all(v <= 0.5 * 2000 for v in kv_in.values()), kv_in
+    unsized = plan_migrations([src, load("b", [], kv_used=0.4), load("c", [], kv_used=0.4)])
+    assert sum(len(o.seq_ids) for o in unsized) > sum(len(o.seq_ids) for o in orders)  # pool unknown: old rule
+
+
+def test_running_coroutines_need_free_seats_and_no_queue_at_the_destination() -> None:
+    src = _sized(load("a", [(i, 400, 30) for i in range(8)]), 10**6, 64)
+    full = _sized(load("b", [(100 + i, 5, 10) for i in range(62)]), 10**6, 64)  # 2 seats free
+    [order] = plan_migrations([src, full])
+    assert len(order.seq_ids) == 2
+    queued = load("b", [(100, 50, 0)])  # a row waiting for a seat there: running ones would park behind it
+    assert plan_migrations([src, _sized(queued, 10**6, 64)]) == []
+    # not-started coroutines still split onto a destination with a queue
+    fresh = _sized(load("a", [(i, 400, 0) for i in range(8)]), 10**6, 64)
+    [split] = plan_migrations([fresh, _sized(queued, 10**6, 64)])
+    assert split.reason == "split"

@@ -105,3 +105,25 @@ def test_transfer_cost_model() -> None:
     assert prefer_transfer(1000, kv_bytes=1_000_000, link_bytes_per_s=1e9, recompute_tokens_per_s=1000)
     assert not prefer_transfer(10, kv_bytes=10_000_000_000, link_bytes_per_s=1e9, recompute_tokens_per_s=1000)
     assert not prefer_transfer(0, 0, 1e9, 1000)
+
+
+def test_admission_leaves_the_watermark_free_so_the_batch_does_not_thrash() -> None:
+    """A row admitted into the pool's last blocks is evicted by the running rows' next blocks:
+    admission keeps int(watermark * blocks) free while a batch runs (vLLM's watermark)."""
+    def admitted(watermark: float) -> list[int]:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, watermark=watermark),
+                          BlockAllocator(200, 4))  # 800 tokens; 0.1 -> 20 blocks kept free
+        sched.add(seq(0, 400, max_tokens=64))
+        run_forward(sched.schedule())  # 100 blocks
+        sched.add(seq(1, 380, max_tokens=64))  # 95 more: 5 left
+        return [int(s.seq.seq_id) for s in sched.schedule().scheduled]
+
+    assert admitted(0.0) == [0, 1]
+    assert admitted(0.1) == [0]
+    # an empty batch admits into any room (the watermark never starves the engine)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, watermark=0.1),
+                      BlockAllocator(200, 4))
+    sched.add(seq(0, 790))
+    assert [s.num_new for s in sched.schedule().scheduled] == [790]
+    with pytest.raises(ValueError, match="watermark"):
+        SchedulerConfig(watermark=1.0)

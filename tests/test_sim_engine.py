@@ -122,3 +122,23 @@ def test_lookahead_reserves_the_coming_decode_steps_and_evicts_for_them() -> Non
     sched, plan = three_running(30)  # 46 tokens -> 6 blocks: row 1's do not fit until row 2 goes
     assert [int(e.seq.seq_id) for e in plan.evicted] == [2]
     assert [len(s.block_ids) for s in sched.running] == [6, 6] and sched.allocator.num_free == 0
+
+
+def test_the_watermark_stops_the_evict_readmit_thrash() -> None:
+    """A KV-bound H200 engine, scheduled step by step (exact): without the admission watermark
+    rows are re-admitted into the last free blocks and evicted again (up to 16 times each here)."""
+    h200 = build_cost(load_profile("H200"), load_shape("qwen3-30b-a3b"))
+    w = synthetic("reasoning", 800, 0)
+
+    def run(watermark: float) -> tuple[int, int, float]:
+        e = SimEngine("w", h200, EngineSimConfig(exact=True))
+        e.scheduler.config = replace(e.scheduler.config, watermark=watermark)
+        seqs = [make_sequence(r, int(w.prompt_len[r]), int(w.max_tokens[r]), int(w.output_len[r])) for r in range(800)]
+        for s in seqs:
+            e.add(s)
+        e.run_until(float("inf"))
+        return e.preemptions, max(s.num_preemptions for s in seqs), max(t for _, t in e.finished)
+
+    (thrash, worst, bct0), (calm, calm_worst, bct1) = run(0.0), run(policy.SchedulerConfig().watermark)
+    assert thrash > 3 * calm and worst > 2 * calm_worst, (thrash, worst, calm, calm_worst)
+    assert bct1 <= bct0 * 1.01

@@ -61,6 +61,8 @@ class EngineLoad:
     tokens_per_s: float = 0.0
     movable: tuple[CoroutineInfo, ...] = ()
     speed: float = 0.0  # generated tokens/s it can sustain (peak measured); 0: not measured yet
+    kv_capacity_tokens: int = 0  # the KV pool's size; 0: unknown (planned orders not counted in kv_used)
+    max_num_seqs: int = 0  # its batch's seats; 0: unknown (incoming running coroutines not bounded by them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,22 @@ class _Node:
     work: float  # remaining tokens / relative speed: tokens at the average engine's pace
     speed: float = 1.0  # relative to the average engine of this model
     taken: set[int] = field(default_factory=set)
+    kv_incoming: int = 0  # KV tokens of the started coroutines this plan already sends here
+    queued: int = 0  # coroutines waiting there for a seat, with those this plan sends there
+    seats_incoming: int = 0  # started coroutines this plan already sends here
+
+    def room(self, config: BalanceConfig) -> tuple[float, float]:
+        """(KV tokens, coroutines) of started work it can take and run at once: none while
+        coroutines queue there (they would park behind the queue, their KV in host memory or
+        lost); else its pool below max_kv_used and its free seats, net of this plan's orders
+        (inf where the engine does not report its pool or seats)."""
+        if self.queued:
+            return 0.0, 0.0
+        load, inf = self.load, float("inf")
+        kv = (config.max_kv_used - load.kv_used) * load.kv_capacity_tokens - self.kv_incoming \
+            if load.kv_capacity_tokens > 0 else inf
+        seats = load.max_num_seqs - load.running - self.seats_incoming if load.max_num_seqs > 0 else inf
+        return kv, seats
 
 
 def relative_speeds(loads: list[EngineLoad], tolerance: float) -> list[float]:
@@ -158,7 +176,7 @@ def plan_migrations(loads: Iterable[EngineLoad], config: BalanceConfig | None = 
 
 def _plan_model(loads: list[EngineLoad], config: BalanceConfig, budget: int) -> list[Migration]:
     loads = sorted(loads, key=lambda x: x.worker)
-    nodes = [_Node(load, load.remaining_tokens / speed, speed)
+    nodes = [_Node(load, load.remaining_tokens / speed, speed, queued=load.waiting)
              for load, speed in zip(loads, relative_speeds(loads, config.speed_tolerance))]
     orders: list[Migration] = []
     exhausted: set[str] = set()  # sources with nothing worth moving left
@@ -174,13 +192,16 @@ def _plan_model(loads: list[EngineLoad], config: BalanceConfig, budget: int) -> 
         # x tokens move so that both finish together: (Ws - x) / vs = (Wd + x) / vd, in raw tokens
         # W = work * v, so x = vs * vd * (work_s - work_d) / (vs + vd): half the gap at equal speeds
         target = src.speed * dst.speed * (src.work - dst.work) / (src.speed + dst.speed)
-        picked, tokens, cost = _pick(src, target, config)
+        picked, tokens, cost = _pick(src, target, config, *dst.room(config))
         if tokens < config.min_move_tokens or not picked:
             exhausted.add(src.load.worker)
             continue
         src.taken.update(c.seq_id for c in picked)
         src.work -= tokens / src.speed
         dst.work += (tokens + cost) / dst.speed
+        dst.kv_incoming += sum(c.num_computed for c in picked)
+        dst.queued += sum(not c.is_started for c in picked)
+        dst.seats_incoming += sum(c.is_started for c in picked)
         reason = "migrate" if any(c.is_started for c in picked) else "split"
         orders.append(Migration(src.load.worker, dst.load.worker, src.load.model,
                                 tuple(c.seq_id for c in picked), tokens, reason))
@@ -197,8 +218,10 @@ def _worth_moving(src_work: float, dst_work: float, config: BalanceConfig) -> bo
     return src_work - dst_work >= 2 * config.min_move_tokens and src_work >= config.imbalance_ratio * dst_work
 
 
-def _pick(src: _Node, target: float, config: BalanceConfig) -> tuple[list[CoroutineInfo], int, float]:
-    """Greedy, largest first, never past `target`: -> (coroutines, their tokens, recompute cost)."""
+def _pick(src: _Node, target: float, config: BalanceConfig, kv_room: float = float("inf"),
+          seats: float = float("inf")) -> tuple[list[CoroutineInfo], int, float]:
+    """Greedy, largest first, never past `target`; started ones only while their KV and seats fit
+    the destination's room (else it recomputes or parks them): -> (coroutines, tokens, recompute cost)."""
     free = [c for c in src.load.movable if c.seq_id not in src.taken and c.remaining >= config.min_remaining]
     fresh = sorted((c for c in free if not c.is_started), key=lambda c: -c.remaining) if config.split else []
     running = sorted((c for c in free if c.is_started),
@@ -212,6 +235,10 @@ def _pick(src: _Node, target: float, config: BalanceConfig) -> tuple[list[Corout
         extra = config.recompute_weight * c.num_computed
         if c.remaining <= extra or tokens + c.remaining > target:
             continue
+        if c.is_started:
+            if c.num_computed > kv_room or seats < 1:
+                continue
+            kv_room, seats = kv_room - c.num_computed, seats - 1
         picked.append(c)
         tokens += c.remaining
         cost += extra

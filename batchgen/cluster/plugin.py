@@ -192,7 +192,8 @@ class BalancePlugin(SchedulerPlugin):
                     worker, model, bool(e["ready"]), int(e["waiting"]), int(e["running"]),
                     int(e["remaining_tokens"]), float(e["kv_used"]), float(e["tokens_per_s"]),
                     tuple(CoroutineInfo(int(s), int(r), int(c)) for s, r, c in e["movable"]),
-                    float(e.get("speed", 0.0))))
+                    float(e.get("speed", 0.0)), int(e.get("kv_capacity_tokens", 0)),
+                    int(e.get("max_num_seqs", 0))))
         return loads
 
     def _record(self, order: Migration, now: float) -> None:

@@ -60,6 +60,8 @@ class RunnerLoad:
     movable: tuple[CoroutineInfo, ...] = ()
     speed: float = 0.0  # peak tokens/s while saturated, slowly forgotten; 0: never saturated yet
     expert_hit_rate: float = 1.0  # routed experts found in device memory (1.0: all resident)
+    kv_capacity_tokens: int = 0  # the KV pool's size and the batch's seats: the balancer counts
+    max_num_seqs: int = 0  # its planned orders into them
 
 
 Done = Callable[[list[tuple[RowRef, RequestOutput]]], None]
@@ -302,7 +304,8 @@ class EngineRunner:
                    for seq_id, remaining in load["remaining_by_seq"].items() if seq_id in self._tickets]
         self._load = RunnerLoad(True, load["waiting"], load["running"], float(load["kv_used_fraction"]),
                                 int(load["remaining_tokens"]), self._meter.tokens_per_s, generated,
-                                reported_movable(movable), self._meter.speed, _expert_hit_rate(engine))
+                                reported_movable(movable), self._meter.speed, _expert_hit_rate(engine),
+                                int(load["kv_capacity_tokens"]), int(load["max_num_seqs"]))
 
 
 def _expert_hit_rate(engine: Engine) -> float:

@@ -30,10 +30,17 @@ class SchedulerConfig:
     # with a prefix cache: "prefix" admits waiting rows grouped by shared prefix (prefix_order.py),
     # "fifo" in arrival order; without one, always arrival order
     admission: Admission = "prefix"
+    # Share of the pool an admission leaves free (vLLM's `watermark`): a row admitted into the
+    # last free blocks is evicted again by the running rows' next blocks, and re-admitted, and
+    # evicted (the simulator saw rows evicted up to 13 times each). int(watermark * blocks):
+    # 0 for pools under 100 blocks.
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.eviction not in ("newest", "fewest_computed", "most_remaining"):
             raise ValueError(f"unknown eviction policy {self.eviction!r}")
         if self.admission not in ("prefix", "fifo"):
@@ -138,37 +145,48 @@ class Scheduler:
                 cache.register(seq)
         alloc, running, ahead = self.allocator, self.running, lookahead - 1
         bs = alloc.block_size
-        i = 0
-        while i < len(running) and budget > 0:
+        scheduled, can_allocate, allocate = plan.scheduled, alloc.can_allocate, alloc.allocate
+        i, num_running = 0, len(running)
+        while i < num_running and budget > 0:
             seq = running[i]
-            # Sequence.num_tokens / remaining_tokens inlined: this loop visits every running row
-            # each forward (and each simulated slice)
+            # Sequence.num_tokens / remaining_tokens inlined, names bound locally: this loop
+            # visits every running row each forward (and each simulated slice)
             computed, out = seq.num_computed, len(seq.output_ids)
             uncomputed = len(seq.prompt_ids) + out - computed
-            n = uncomputed if uncomputed < budget else budget
-            end = computed + n
-            if ahead > 0 and n == uncomputed:
-                later = int(seq.params.max_tokens) - out - 1  # tokens it may still feed after this one
-                if later > 0:
-                    end += ahead if ahead < later else later
+            if uncomputed < budget:
+                n = uncomputed
+                end = computed + n
+                if ahead > 0:
+                    later = seq.params.max_tokens - out - 1  # tokens it may still feed after this one
+                    if later > 0:
+                        end += ahead if ahead < later else later
+            else:
+                n = budget
+                end = computed + n
+                if ahead > 0 and n == uncomputed:
+                    later = seq.params.max_tokens - out - 1
+                    if later > 0:
+                        end += ahead if ahead < later else later
             need = -(-end // bs) - len(seq.block_ids)
             if need > 0:  # most decode steps need no new block: skip the pool entirely (hot loop)
-                while not alloc.can_allocate(need):
+                while not can_allocate(need):
                     unscheduled = running[i:]
                     victim = pick_victim(unscheduled, self.config.eviction) if len(unscheduled) > 1 else seq
                     plan.evicted.append(self.evict(victim, "evict:kv-pool-full"))
+                    num_running -= 1
                     if victim is seq:
                         break
                 if seq.status is not SeqStatus.RUNNING:
                     continue
-                seq.block_ids += alloc.allocate(need)
-            plan.scheduled.append(ScheduledSeq(seq, n))
+                seq.block_ids += allocate(need)
+            scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
         if plan.evicted:
             return plan  # admitting now would only thrash the pool
         pending = self._pending(plan) if cache is not None and self.waiting else set()
         deferred: list[Sequence] = []
+        headroom = int(self.config.watermark * alloc.num_blocks)  # free blocks an admission leaves
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             restored = seq.num_swapped  # tokens whose KV comes back from host memory
@@ -186,8 +204,9 @@ class Scheduler:
             computed = restored or len(hits) * self.allocator.block_size
             n = min(seq.num_tokens - computed, budget)
             need = self.allocator.extra_blocks(len(hits), computed + n)
-            if not self.allocator.can_allocate(need + self.allocator.num_idle(hits)):
-                break
+            if not self.allocator.can_allocate(need + self.allocator.num_idle(hits)
+                                               + (headroom if self.running else 0)):
+                break  # (an empty batch admits into any room: the watermark must not starve it)
             self.waiting.popleft()
             if cache is not None and not restored:
                 self.allocator.share(hits)

@@ -52,10 +52,12 @@ def add_commands(sub: Any) -> None:
                       "qwen3-30b-a3b, deepseek-v3, mixtral-8x7b (default for GPU profiles: qwen3-30b-a3b)")
     plan.add_argument("--lengths", type=Path, metavar="FILE", help="Parquet/CSV/JSONL with prompt_tokens and "
                       "output_tokens columns (optional max_tokens), or an OpenAI batch file (needs --model DIR)")
-    plan.add_argument("--workload", default="reasoning", choices=["reasoning", "summarization", "classification"],
-                      help="synthetic length model (default: reasoning)")
-    plan.add_argument("--order", default="random", choices=["random", "sorted"],
-                      help="row order of the synthetic workload; sorted: longest outputs last")
+    plan.add_argument("--workload", default="reasoning", choices=["reasoning", "summarization", "classification", "chat", "mixed"],
+                      help="synthetic length model (default: reasoning); mixed: reasoning, chat and "
+                      "classification rows from one file")
+    plan.add_argument("--order", default="random", choices=["random", "sorted", "grouped"],
+                      help="row order of the synthetic workload; sorted: longest outputs last; grouped: "
+                      "a mixture's sources one after another (as concatenated files are)")
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--expert-memory", type=parse_size, metavar="SIZE", help="device memory for routed "
                       "experts (e.g. 8GiB); the rest is fetched from host memory / disk per forward")

@@ -17,6 +17,7 @@ skewed, which touches fewer experts, so this errs towards slower small batches.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,10 +33,22 @@ ACTIVATION_RESERVE = 0.05  # of device memory, for activations and the allocator
 
 def experts_touched(tokens: ArrayLike, num_experts: int, top_k: int) -> np.ndarray:
     """Expected distinct experts per layer that a forward of `tokens` tokens reads."""
-    t = np.asarray(tokens, dtype=np.float64)
+    raw = np.asarray(tokens)
+    if num_experts and raw.dtype.kind in "iu" and raw.size and 0 <= raw.min() and raw.max() < TOUCHED_TABLE_SIZE:
+        return _touched_table(num_experts, top_k)[raw]  # integer token counts (every slice): a lookup
+    t = raw.astype(np.float64)
     if num_experts == 0:
         return np.zeros_like(t)
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** t) * (t > 0)
+
+
+TOUCHED_TABLE_SIZE = 1 << 15
+
+
+@functools.lru_cache(maxsize=8)
+def _touched_table(num_experts: int, top_k: int) -> np.ndarray:
+    """experts_touched of 0 .. TOUCHED_TABLE_SIZE - 1 tokens, by the same float expression."""
+    return experts_touched(np.arange(TOUCHED_TABLE_SIZE, dtype=np.float64), num_experts, top_k)
 
 
 class CostModel(Protocol):
@@ -101,7 +114,7 @@ class RooflineCost:
                      attn_pairs: ArrayLike) -> np.ndarray:
         g, s = self.gpu, self.shape
         t = np.asarray(tokens, dtype=np.float64)
-        touched = s.num_moe_layers * experts_touched(t, s.num_experts, s.top_k) * s.expert_bytes
+        touched = s.num_moe_layers * experts_touched(tokens, s.num_experts, s.top_k) * s.expert_bytes
         read = s.dense_bytes + touched * self.resident_fraction + np.asarray(kv_tokens) * s.kv_bytes_per_token
         flops = 2.0 * t * s.active_params_per_token + s.attn_flops_per_pair * np.asarray(attn_pairs, dtype=np.float64)
         device = np.maximum(flops / (g.peak_flops * g.compute_efficiency), read / (g.hbm_bytes_per_s * g.memory_efficiency))

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import PlanError
 
-Order = Literal["random", "sorted"]
+Order = Literal["random", "sorted", "grouped"]
 PROMPT_COLUMNS = ("prompt_tokens", "prompt_len", "input_tokens")
 OUTPUT_COLUMNS = ("output_tokens", "output_len", "completion_tokens")
 
@@ -49,7 +49,15 @@ WORKLOADS: dict[str, WorkloadKind] = {
     "reasoning": WorkloadKind(LengthModel(400, 0.8, 16, 8192), LengthModel(1500, 0.85, 16, 32768, df=4), 32768),
     "summarization": WorkloadKind(LengthModel(3000, 0.6, 256, 32768), LengthModel(200, 0.5, 16, 1024), 1024),
     "classification": WorkloadKind(LengthModel(200, 0.5, 8, 2048), LengthModel(3, 0.5, 1, 8), 16),
+    "chat": WorkloadKind(LengthModel(300, 0.9, 8, 8192), LengthModel(350, 0.8, 8, 4096), 4096),
 }
+# A batch file assembled from sources (README, "Workload statement"): (workload, share of rows), in
+# file order. The shares are an assumption of this model, not measured; every row asks the
+# largest source's max_tokens, so the policies still cannot tell the sources apart.
+MIXTURES: dict[str, tuple[tuple[str, float], ...]] = {
+    "mixed": (("reasoning", 0.3), ("chat", 0.5), ("classification", 0.2)),
+}
+WORKLOAD_NAMES = (*WORKLOADS, *MIXTURES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +87,41 @@ class Workload:
 
 
 def synthetic(kind: str, rows: int, seed: int = 0, order: Order = "random") -> Workload:
-    """`rows` rows of a named workload (WORKLOADS); `order` sorted: longest outputs last."""
-    if kind not in WORKLOADS:
-        raise PlanError(f"--workload {kind!r}: unknown; choose from {', '.join(WORKLOADS)}")
+    """`rows` rows of a named workload (WORKLOADS or MIXTURES). `order`: random (a mixture's
+    sources shuffled together), sorted (longest outputs last), grouped (a mixture's sources one
+    after another, as concatenating them leaves a file; one source: as random)."""
+    if kind not in WORKLOAD_NAMES:
+        raise PlanError(f"--workload {kind!r}: unknown; choose from {', '.join(WORKLOAD_NAMES)}")
     if rows < 1:
         raise PlanError(f"--rows must be >= 1, got {rows}")
-    w = WORKLOADS[kind]
+    if order not in ("random", "sorted", "grouped"):
+        raise PlanError(f"--order {order!r}: unknown; choose from random, sorted, grouped")
     rng = np.random.default_rng(seed)
+    if kind in MIXTURES:
+        return _mixture(kind, rows, rng, order)
+    w = WORKLOADS[kind]
     prompt, output = w.prompt.draw(rng, rows), w.output.draw(rng, rows)
     if order == "sorted":
         idx = np.argsort(output, kind="stable")
         prompt, output = prompt[idx], output[idx]
     return Workload(kind, prompt, output, np.full(rows, max(w.max_tokens, int(output.max())), dtype=np.int64))
+
+
+def _mixture(kind: str, rows: int, rng: np.random.Generator, order: Order) -> Workload:
+    sources = MIXTURES[kind]
+    total = sum(share for _, share in sources)
+    counts = [int(rows * share / total) for _, share in sources]
+    counts[0] += rows - sum(counts)
+    prompt = np.concatenate([WORKLOADS[name].prompt.draw(rng, n) for (name, _), n in zip(sources, counts)])
+    output = np.concatenate([WORKLOADS[name].output.draw(rng, n) for (name, _), n in zip(sources, counts)])
+    if order == "random":
+        idx = rng.permutation(rows)
+    elif order == "sorted":
+        idx = np.argsort(output, kind="stable")
+    else:
+        idx = np.arange(rows)
+    cap = max(max(WORKLOADS[name].max_tokens for name, _ in sources), int(output.max()))
+    return Workload(kind, prompt[idx], output[idx], np.full(rows, cap, dtype=np.int64))
 
 
 def _pick(columns: list[str], names: tuple[str, ...], path: Path) -> str:
