@@ -139,7 +139,53 @@ def fixed_costs(client: Client, built_at: float, compute_at: float, result_at: f
     return {"first_token_max": max(p["first_token"] - compute_at for p in periods if p["first_token"]),
             "task_start_max": max(p["started"] - compute_at for p in periods),
             "engine_load_max": max(loads, default=0.0),
-            "result_after_last_token": result_at - max(t["last_token"] for t in lines if t["last_token"])}
+            "result_after_last_token": result_at - max(t["last_token"] for t in lines if t["last_token"]),
+            "breakdown": breakdown(periods, built_at, compute_at, result_at)}
+
+
+def breakdown(periods: list[dict[str, Any]], built_at: float, compute_at: float, result_at: float
+              ) -> dict[str, float]:
+    """Where the job's wall time went, in seconds: on the client (graph build, the tail from the
+    last task's return to the result), and per worker (the slowest worker's figure, and the
+    busiest's engine-thread time): task start, hand-off of the rows to the engine, the first
+    forward, forwards, commands (rows, migration), balancer snapshots, idle with the job open,
+    the last token to the task's return."""
+    def worst(f: Any) -> float:
+        values = [f(p) for p in periods]
+        return max((v for v in values if v is not None), default=0.0)
+
+    return {
+        "build (map_partitions, meta call)": compute_at - built_at,
+        "compute() -> first task starts": worst(lambda p: p["started"] - compute_at),
+        "task start -> rows in engine": worst(lambda p: p["rows_queued"] and p["rows_queued"] - p["started"]),
+        "rows in engine -> first token": worst(lambda p: p["first_token"] and p["rows_queued"]
+                                               and p["first_token"] - p["rows_queued"]),
+        "first step (prefill)": worst(lambda p: p["first_step_s"]),
+        "steps (forwards)": worst(lambda p: p["step_s"]),
+        "step count": worst(lambda p: p["steps"]),
+        "engine commands (rows, migration)": worst(lambda p: p["command_s"]),
+        "balancer snapshots": worst(lambda p: p["snapshot_s"]),
+        "engine idle while the job is open": worst(lambda p: p["idle_s"]),
+        "first token -> last token": worst(lambda p: p["last_token"] and p["first_token"]
+                                           and p["last_token"] - p["first_token"]),
+        "last token -> task returns": worst(lambda p: p["ended"] and p["last_token"] and p["ended"] - p["last_token"]),
+        "last task returns -> result in client": result_at - worst(lambda p: p["ended"]),
+        "compute() -> result": result_at - compute_at,
+    }
+
+
+def _plugin_log(dask_scheduler: Any) -> list[tuple[float, str, str, int, int, str]]:
+    from batchgen.cluster.plugin import PLUGIN_NAME
+
+    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
+    return [(t, o.src, o.dst, len(o.seq_ids), o.tokens, o.reason) for t, o in plugin.log] if plugin else []
+
+
+def order_log(client: Client, since: float) -> list[str]:
+    """The balancer's orders of the last run (the plugin keeps the last 100): 'at s: src -> dst, n rows, tokens'."""
+    names = {w: f"w{i}" for i, w in enumerate(sorted(client.scheduler_info()["workers"]))}
+    return [f"{t - since:6.2f}s {names.get(src, src)} -> {names.get(dst, dst)}: {n} rows, {tokens} tokens ({reason})"
+            for t, src, dst, n, tokens, reason in client.run_on_scheduler(_plugin_log) if t >= since]
 
 
 def cold_runs(client: Client, ddf: dd.DataFrame, model: str, options: dict[str, Any], repeat: int
@@ -165,6 +211,8 @@ def print_costs(name: str, c: dict[str, float]) -> None:
     print(f"  {name:44} first token {c['first_token_max']:5.2f}s  task start {c['task_start_max']:5.2f}s  "
           f"engine load {c['engine_load_max']:5.2f}s  result after last token {c['result_after_last_token']:5.2f}s"
           + (f"  (job {c['seconds']:.1f}s)" if "seconds" in c else ""))
+    for what, value in c.get("breakdown", {}).items():
+        print(f"      {what:44} {value:7.2f}")
 
 
 def warm_up(client: Client, model: str, options: dict[str, Any], vocab: int) -> None:
@@ -188,6 +236,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="static / batchgen runs, alternated; best kept")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="skip the fixed-cost runs with engines stopped first")
+    ap.add_argument("--orders", action="store_true", help="print the balancer's orders of the best batchgen run")
     args = ap.parse_args()
 
     from batchgen.demo import PAD_ID, build_demo_model, tokenizer_vocab_size
@@ -210,6 +259,7 @@ def main() -> None:
         first = sorted(client.scheduler_info()["workers"])[0]
         seconds["single"] = client.submit(single_engine_seconds, pdf, model, options, workers=[first]).result()
         moved: dict[str, Any] = {}
+        orders: list[str] = []
         warm_costs: dict[str, float] = {}
         for _ in range(args.repeat):  # alternate, keep the best of each: the machine's load drifts
             seconds["balanced"] = min(seconds.get("balanced", float("inf")),
@@ -220,9 +270,11 @@ def main() -> None:
             bc.connect(client=client, balance=BalanceConfig())  # re-registers: split and migration on
             warm_up(client, model, options, vocab)
             run_costs: list[dict[str, float]] = []
+            since = time.monotonic()
             t = run_batchgen(client, ddf, model, options, run_costs)
             if t < seconds.get("batchgen", float("inf")):
                 seconds["batchgen"], warm_costs = t, (run_costs[0] if run_costs else {})
+                orders = order_log(client, since)
             moved = bc.metrics(client)
         cold = cold_runs(client, ddf, model, options, args.repeat) if not args.skip_cold else {}
         bc.disconnect(client)
@@ -246,6 +298,10 @@ def main() -> None:
         print(f"  hf       / batchgen  (transformers, chunks of {args.chunk})  {seconds['hf'] / b:6.2f}")
     print(f"  migrated coroutines (last batchgen run): {moved.get('migrations', 0)}, "
           f"by reason {moved.get('by_reason', {})}")
+    if args.orders:
+        print("  balancer orders of the best batchgen run (seconds from map_partitions):")
+        for line in orders:
+            print("    " + line)
     print("fixed costs of a job (seconds from compute(); the slowest worker):")
     print_costs("warm (engines loaded, best batchgen run)", warm_costs)
     for name, c in cold.items():

@@ -161,17 +161,20 @@ class EngineRunner:
             self._timeline.engine_loaded()
         try:
             self._snapshot(engine, force=True)
+            timeline = self._timeline
             while not self._closed.is_set():
                 self._drain(engine, block=not engine.has_unfinished())
                 if engine.has_unfinished():
                     before = engine.stats.generated_tokens
+                    t0 = time.perf_counter()
                     try:
                         finished = engine.step()
                     except BaseException as exc:  # noqa: BLE001
                         self._fail(exc)
                         return
-                    if self._timeline is not None:
-                        self._timeline.tokens(engine.stats.generated_tokens - before)
+                    if timeline is not None:
+                        timeline.stepped(time.perf_counter() - t0)
+                        timeline.tokens(engine.stats.generated_tokens - before)
                     self._finish(engine, finished)
                 self._snapshot(engine)
             self._refuse_pending(RuntimeError("engine runner is closed"))
@@ -197,23 +200,33 @@ class EngineRunner:
         self._on_fail(exc, refs)
 
     def _drain(self, engine: Engine, block: bool) -> None:
+        t0 = time.perf_counter()
         try:
             item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
         except queue.Empty:
+            if block and self._timeline is not None:
+                self._timeline.spent("idle", time.perf_counter() - t0)
             return
-        while True:
-            fn, fut = item
-            if fut.set_running_or_notify_cancel():
+        t1 = time.perf_counter()
+        try:
+            while True:
+                fn, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(engine))
+                    except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                        fut.set_exception(exc)
+                if self._closed.is_set():
+                    return  # closed by that command (close_if_idle): the rest are refused, not run
                 try:
-                    fut.set_result(fn(engine))
-                except BaseException as exc:  # noqa: BLE001 - the caller gets it
-                    fut.set_exception(exc)
-            if self._closed.is_set():
-                return  # closed by that command (close_if_idle): the rest are refused, not run
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+        finally:
+            if self._timeline is not None:
+                if block:
+                    self._timeline.spent("idle", t1 - t0)
+                self._timeline.spent("command", time.perf_counter() - t1)
 
     def _add(self, engine: Engine, requests: list[Request]) -> None:
         done: list[tuple[RowRef, RequestOutput]] = []
@@ -227,6 +240,8 @@ class EngineRunner:
             if engine.get(seq_id).is_finished:
                 del self._tickets[seq_id]
                 done.append((ref, engine.pop_output(seq_id)))
+        if self._timeline is not None:
+            self._timeline.rows_queued()
         if done:
             self._on_done(done)
 
@@ -294,6 +309,14 @@ class EngineRunner:
         if not force and now - self._last_snap < _SNAPSHOT_EVERY_S:
             return
         self._last_snap = now
+        t0 = time.perf_counter()
+        try:
+            self._take_snapshot(engine, now)
+        finally:
+            if self._timeline is not None:
+                self._timeline.spent("snapshot", time.perf_counter() - t0)
+
+    def _take_snapshot(self, engine: Engine, now: float) -> None:
         load = engine.load()
         generated = int(engine.stats.generated_tokens)
         self._meter.observe(now, generated, load["waiting"])
