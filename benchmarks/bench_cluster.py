@@ -222,6 +222,41 @@ def warm_up(client: Client, model: str, options: dict[str, Any], vocab: int) -> 
                    for w in client.scheduler_info()["workers"]])
 
 
+def hf_seconds(ddf: dd.DataFrame, pdf: pd.DataFrame, model: str, chunk: int, pad_id: int) -> float:
+    t0 = time.perf_counter()
+    ddf.map_partitions(hf_partition, model, chunk, pad_id, meta=pdf.iloc[:0].assign(num_generated_tokens=0)).compute()
+    return time.perf_counter() - t0
+
+
+def ratio_pairs(client: Client, ddf: dd.DataFrame, pdf: pd.DataFrame, model: str, options: dict[str, Any],
+                vocab: int, chunk: int, pad_id: int, pairs: int, orders: bool = False) -> None:
+    """(a) alone, as alternated pairs (batchgen, then transformers, warm): each pair's ratio, the
+    best and the median, with the load average at each pair; and each batchgen run's breakdown."""
+    client.gather([client.submit(hf_partition, pdf.iloc[:1], model, chunk, pad_id, workers=[w], pure=False)
+                   for w in client.scheduler_info()["workers"]])
+    bc.connect(client=client, balance=BalanceConfig())
+    warm_up(client, model, options, vocab)
+    ratios: list[float] = []
+    for i in range(pairs):
+        costs: list[dict[str, float]] = []
+        load0 = os.getloadavg()[0]
+        since = time.monotonic()
+        b = run_batchgen(client, ddf, model, options, costs)
+        moved = bc.metrics(client).get("migrations", 0)
+        log = order_log(client, since) if orders else []
+        h = hf_seconds(ddf, pdf, model, chunk, pad_id)
+        ratios.append(h / b)
+        print(f"pair {i}: batchgen {b:.2f}s, hf {h:.2f}s, hf / batchgen {h / b:.2f}  (load average "
+              f"{load0:.1f} -> {os.getloadavg()[0]:.1f}; migrated so far {moved})", flush=True)
+        if costs:
+            print_costs(f"batchgen run of pair {i}", costs[0])
+        for line in log:
+            print("    " + line)
+    ratios.sort()
+    print(f"hf / batchgen over {pairs} pairs: best {ratios[-1]:.2f}, median {ratios[len(ratios) // 2]:.2f}, "
+          f"worst {ratios[0]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: build the demo model)")
@@ -237,6 +272,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="skip the fixed-cost runs with engines stopped first")
     ap.add_argument("--orders", action="store_true", help="print the balancer's orders of the best batchgen run")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="measure only (a): this many alternated batchgen / transformers pairs (best, median)")
     args = ap.parse_args()
 
     from batchgen.demo import PAD_ID, build_demo_model, tokenizer_vocab_size
@@ -256,6 +293,10 @@ def main() -> None:
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                       env=env) as cluster, Client(cluster) as client:
         ddf = dd.from_pandas(pdf, npartitions=args.partitions, sort=False)
+        if args.pairs:
+            ratio_pairs(client, ddf, pdf, model, options, vocab, args.chunk, PAD_ID, args.pairs, args.orders)
+            bc.disconnect(client)
+            return
         first = sorted(client.scheduler_info()["workers"])[0]
         seconds["single"] = client.submit(single_engine_seconds, pdf, model, options, workers=[first]).result()
         moved: dict[str, Any] = {}
@@ -282,10 +323,7 @@ def main() -> None:
         if not args.skip_hf:
             client.gather([client.submit(hf_partition, pdf.iloc[:1], model, args.chunk, PAD_ID, workers=[w], pure=False)
                            for w in client.scheduler_info()["workers"]])
-            t0 = time.perf_counter()
-            ddf.map_partitions(hf_partition, model, args.chunk, PAD_ID,
-                               meta=pdf.iloc[:0].assign(num_generated_tokens=0)).compute()
-            seconds["hf"] = time.perf_counter() - t0
+            seconds["hf"] = hf_seconds(ddf, pdf, model, args.chunk, PAD_ID)
 
     ideal = seconds["single"] / args.workers
     b = seconds["batchgen"]

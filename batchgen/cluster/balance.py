@@ -61,6 +61,7 @@ class EngineLoad:
     tokens_per_s: float = 0.0
     movable: tuple[CoroutineInfo, ...] = ()
     speed: float = 0.0  # generated tokens/s it can sustain (peak measured); 0: not measured yet
+    kv_capacity_tokens: int = 0  # tokens its KV pool holds; 0: not known (orders then use kv_used alone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,12 @@ class _Node:
     work: float  # remaining tokens / relative speed: tokens at the average engine's pace
     speed: float = 1.0  # relative to the average engine of this model
     taken: set[int] = field(default_factory=set)
+    kv_used: float = 0.0  # reported KV use plus what this round's orders bring (when the pool size is known)
+
+    def kv_room(self, config: BalanceConfig) -> float:
+        """Tokens of KV this engine can still take before `max_kv_used` (inf: pool size not known)."""
+        cap = self.load.kv_capacity_tokens
+        return (config.max_kv_used - self.kv_used) * cap if cap > 0 else float("inf")
 
 
 def relative_speeds(loads: list[EngineLoad], tolerance: float) -> list[float]:
@@ -158,7 +165,7 @@ def plan_migrations(loads: Iterable[EngineLoad], config: BalanceConfig | None = 
 
 def _plan_model(loads: list[EngineLoad], config: BalanceConfig, budget: int) -> list[Migration]:
     loads = sorted(loads, key=lambda x: x.worker)
-    nodes = [_Node(load, load.remaining_tokens / speed, speed)
+    nodes = [_Node(load, load.remaining_tokens / speed, speed, kv_used=load.kv_used)
              for load, speed in zip(loads, relative_speeds(loads, config.speed_tolerance))]
     orders: list[Migration] = []
     exhausted: set[str] = set()  # sources with nothing worth moving left
@@ -174,21 +181,30 @@ def _plan_model(loads: list[EngineLoad], config: BalanceConfig, budget: int) -> 
         # x tokens move so that both finish together: (Ws - x) / vs = (Wd + x) / vd, in raw tokens
         # W = work * v, so x = vs * vd * (work_s - work_d) / (vs + vd): half the gap at equal speeds
         target = src.speed * dst.speed * (src.work - dst.work) / (src.speed + dst.speed)
-        picked, tokens, cost = _pick(src, target, config)
+        picked, tokens, cost = _pick(src, target, config, dst.kv_room(config))
         if tokens < config.min_move_tokens or not picked:
             exhausted.add(src.load.worker)
             continue
         src.taken.update(c.seq_id for c in picked)
         src.work -= tokens / src.speed
         dst.work += (tokens + cost) / dst.speed
+        if dst.load.kv_capacity_tokens > 0:  # the next order of this round sees the pool these fill
+            dst.kv_used += sum(kv_footprint(c) for c in picked) / dst.load.kv_capacity_tokens
         reason = "migrate" if any(c.is_started for c in picked) else "split"
         orders.append(Migration(src.load.worker, dst.load.worker, src.load.model,
                                 tuple(c.seq_id for c in picked), tokens, reason))
     return orders
 
 
+def kv_footprint(c: CoroutineInfo) -> int:
+    """KV tokens a moved coroutine holds at the destination once it ends there (its computed
+    tokens, recomputed or sent, plus those still to generate; a not-started one's prompt is not
+    reported, so it counts its output alone)."""
+    return c.num_computed + c.remaining
+
+
 def _pick_destination(nodes: list[_Node], src: _Node, config: BalanceConfig) -> _Node | None:
-    candidates = [n for n in nodes if n is not src and n.load.kv_used < config.max_kv_used
+    candidates = [n for n in nodes if n is not src and n.kv_used < config.max_kv_used
                   and (n.load.ready or src.work >= config.cold_start_tokens)]
     return min(candidates, key=lambda n: (n.work, not n.load.ready), default=None)
 
@@ -197,8 +213,10 @@ def _worth_moving(src_work: float, dst_work: float, config: BalanceConfig) -> bo
     return src_work - dst_work >= 2 * config.min_move_tokens and src_work >= config.imbalance_ratio * dst_work
 
 
-def _pick(src: _Node, target: float, config: BalanceConfig) -> tuple[list[CoroutineInfo], int, float]:
-    """Greedy, largest first, never past `target`: -> (coroutines, their tokens, recompute cost)."""
+def _pick(src: _Node, target: float, config: BalanceConfig, kv_room: float = float("inf")
+          ) -> tuple[list[CoroutineInfo], int, float]:
+    """Greedy, largest first, never past `target` nor past the destination's KV room (tokens):
+    -> (coroutines, their tokens, recompute cost)."""
     free = [c for c in src.load.movable if c.seq_id not in src.taken and c.remaining >= config.min_remaining]
     fresh = sorted((c for c in free if not c.is_started), key=lambda c: -c.remaining) if config.split else []
     running = sorted((c for c in free if c.is_started),
@@ -210,9 +228,10 @@ def _pick(src: _Node, target: float, config: BalanceConfig) -> tuple[list[Corout
         if len(picked) >= config.max_coroutines_per_order:
             break
         extra = config.recompute_weight * c.num_computed
-        if c.remaining <= extra or tokens + c.remaining > target:
+        if c.remaining <= extra or tokens + c.remaining > target or kv_footprint(c) > kv_room:
             continue
         picked.append(c)
         tokens += c.remaining
         cost += extra
+        kv_room -= kv_footprint(c)
     return picked, tokens, cost

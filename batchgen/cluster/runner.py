@@ -60,6 +60,8 @@ class RunnerLoad:
     movable: tuple[CoroutineInfo, ...] = ()
     speed: float = 0.0  # peak tokens/s while saturated, slowly forgotten; 0: never saturated yet
     expert_hit_rate: float = 1.0  # routed experts found in device memory (1.0: all resident)
+    kv_capacity_tokens: int = 0  # tokens the KV pool holds
+    adopted: int = 0  # coroutines resumed here from other workers so far (in this snapshot)
 
 
 Done = Callable[[list[tuple[RowRef, RequestOutput]]], None]
@@ -84,6 +86,7 @@ class EngineRunner:
         self._gate = threading.Lock()  # a command is either queued before close / failure, or refused
         self.failure: BaseException | None = None
         self._last_snap = 0.0
+        self._adopted = 0
         self._meter = SpeedMeter(time.monotonic())
         self._thread = threading.Thread(target=self._run, name=f"batchgen-engine:{spec.model}", daemon=True)
         self._thread.start()
@@ -255,6 +258,7 @@ class EngineRunner:
                 logger.exception("cannot resume coroutine %s", ref)
                 rejected.append(ref)
                 continue
+            self._adopted += 1
             if engine.get(seq_id).is_finished:
                 done.append((ref, engine.pop_output(seq_id)))
             else:
@@ -325,7 +329,8 @@ class EngineRunner:
                    for seq_id, remaining in load["remaining_by_seq"].items() if seq_id in self._tickets]
         self._load = RunnerLoad(True, load["waiting"], load["running"], float(load["kv_used_fraction"]),
                                 int(load["remaining_tokens"]), self._meter.tokens_per_s, generated,
-                                reported_movable(movable), self._meter.speed, _expert_hit_rate(engine))
+                                reported_movable(movable), self._meter.speed, _expert_hit_rate(engine),
+                                int(engine.allocator.capacity_tokens), self._adopted)
 
 
 def _expert_hit_rate(engine: Engine) -> float:
