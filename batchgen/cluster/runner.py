@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..outputs import RequestOutput
 from .balance import MAX_REPORTED, CoroutineInfo, reported_movable
 from .spec import EngineSpec
-from .speed import SpeedMeter
+from .speed import SpeedMeter, at_capacity
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -323,7 +323,9 @@ class EngineRunner:
     def _take_snapshot(self, engine: Engine, now: float) -> None:
         load = engine.load()
         generated = int(engine.stats.generated_tokens)
-        self._meter.observe(now, generated, load["waiting"])
+        capacity = at_capacity(load["waiting"], load["running"], int(engine.config.max_num_seqs or 0),
+                               float(load["kv_used_fraction"]))
+        self._meter.observe(now, generated, load["waiting"] if capacity else 0)
         # own coroutines and those held for others (which re-migrate via their owner)
         movable = [CoroutineInfo(int(seq_id), int(remaining), engine.get(seq_id).num_computed)
                    for seq_id, remaining in load["remaining_by_seq"].items() if seq_id in self._tickets]
