@@ -244,13 +244,14 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> float:
 
 
 def ratio_pairs(client: Client, ddf: dd.DataFrame, pdf: pd.DataFrame, model: str, options: dict[str, Any],
-                vocab: int, chunk: int, pad_id: int, pairs: int, orders: bool = False) -> None:
+                vocab: int, chunk: int, pad_id: int, pairs: int, orders: bool = False, skip_hf: bool = False) -> None:
     """(a) alone, as alternated pairs (batchgen, then transformers, warm): each pair's ratio, the
     best and the median, with the load average at each pair; and each batchgen run's breakdown.
     Also the ratio of the busiest worker's CPU seconds (hf / batchgen): on a shared, oversubscribed
     machine wall time follows the share of the cores each side got, CPU time much less."""
-    client.gather([client.submit(hf_partition, pdf.iloc[:1], model, chunk, pad_id, workers=[w], pure=False)
-                   for w in client.scheduler_info()["workers"]])
+    if not skip_hf:
+        client.gather([client.submit(hf_partition, pdf.iloc[:1], model, chunk, pad_id, workers=[w], pure=False)
+                       for w in client.scheduler_info()["workers"]])
     bc.connect(client=client, balance=BalanceConfig())
     warm_up(client, model, options, vocab)
     ratios: list[float] = []
@@ -264,6 +265,14 @@ def ratio_pairs(client: Client, ddf: dd.DataFrame, pdf: pd.DataFrame, model: str
         c1 = worker_cpu(client)
         moved = bc.metrics(client).get("migrations", 0)
         log = order_log(client, since) if orders else []
+        if skip_hf:
+            print(f"run {i}: batchgen {b:.2f}s, busiest worker's CPU {cpu_delta(c0, c1):.2f}s (load average "
+                  f"{load0:.1f} -> {os.getloadavg()[0]:.1f}; migrated so far {moved})", flush=True)
+            if costs:
+                print_costs(f"batchgen run {i}", costs[0])
+            for line in log:
+                print("    " + line)
+            continue
         h = hf_seconds(ddf, pdf, model, chunk, pad_id)
         c2 = worker_cpu(client)
         ratios.append(h / b)
@@ -276,6 +285,8 @@ def ratio_pairs(client: Client, ddf: dd.DataFrame, pdf: pd.DataFrame, model: str
             print_costs(f"batchgen run of pair {i}", costs[0])
         for line in log:
             print("    " + line)
+    if skip_hf:
+        return
     for name, values in (("wall", ratios), ("busiest worker's CPU", cpu_ratios)):
         values.sort()
         print(f"hf / batchgen ({name}) over {pairs} pairs: best {values[-1]:.2f}, "
@@ -319,7 +330,8 @@ def main() -> None:
                       env=env) as cluster, Client(cluster) as client:
         ddf = dd.from_pandas(pdf, npartitions=args.partitions, sort=False)
         if args.pairs:
-            ratio_pairs(client, ddf, pdf, model, options, vocab, args.chunk, PAD_ID, args.pairs, args.orders)
+            ratio_pairs(client, ddf, pdf, model, options, vocab, args.chunk, PAD_ID, args.pairs, args.orders,
+                        args.skip_hf)
             bc.disconnect(client)
             return
         first = sorted(client.scheduler_info()["workers"])[0]

@@ -166,7 +166,10 @@ class EngineRunner:
             self._snapshot(engine, force=True)
             timeline = self._timeline
             while not self._closed.is_set():
-                self._drain(engine, block=not engine.has_unfinished())
+                if self._drain(engine, block=not engine.has_unfinished()):
+                    # rows added, adopted or moved out: report them before a step that may be long
+                    # (a first prefill), else the balancer sees this engine as it was before
+                    self._snapshot(engine, force=True)
                 if engine.has_unfinished():
                     before = engine.stats.generated_tokens
                     t0 = time.perf_counter()
@@ -202,14 +205,15 @@ class EngineRunner:
         refs, self._tickets = list(self._tickets.values()), {}
         self._on_fail(exc, refs)
 
-    def _drain(self, engine: Engine, block: bool) -> None:
+    def _drain(self, engine: Engine, block: bool) -> bool:
+        """Run the queued commands (waiting a little for one when `block`); -> whether any ran."""
         t0 = time.perf_counter()
         try:
             item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
         except queue.Empty:
             if block and self._timeline is not None:
                 self._timeline.spent("idle", time.perf_counter() - t0)
-            return
+            return False
         t1 = time.perf_counter()
         try:
             while True:
@@ -220,11 +224,11 @@ class EngineRunner:
                     except BaseException as exc:  # noqa: BLE001 - the caller gets it
                         fut.set_exception(exc)
                 if self._closed.is_set():
-                    return  # closed by that command (close_if_idle): the rest are refused, not run
+                    return True  # closed by that command (close_if_idle): the rest are refused, not run
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
-                    return
+                    return True
         finally:
             if self._timeline is not None:
                 if block:
