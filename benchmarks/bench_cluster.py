@@ -25,6 +25,8 @@ rows: balanced / ideal 1.2-1.35 on this machine).
     python benchmarks/bench_cluster.py                  # demo model, ~5 minutes on 2 cores
     python benchmarks/bench_cluster.py --partitions 4   # the same rows in 4 partitions
     python benchmarks/bench_cluster.py --rows 64 --max-tokens 64 --skip-hf   # quick smoke run
+    python benchmarks/bench_cluster.py --rows 256 --pairs 3 --orders   # (a) alone: 3 alternated pairs,
+                                        # wall and CPU ratios, each run's wall-time breakdown and orders
 """
 from __future__ import annotations
 
