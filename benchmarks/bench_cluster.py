@@ -25,6 +25,8 @@ rows: balanced / ideal 1.2-1.35 on this machine).
     python benchmarks/bench_cluster.py                  # demo model, ~5 minutes on 2 cores
     python benchmarks/bench_cluster.py --partitions 4   # the same rows in 4 partitions
     python benchmarks/bench_cluster.py --rows 64 --max-tokens 64 --skip-hf   # quick smoke run
+    python benchmarks/bench_cluster.py --rows 256 --pairs 3 --orders   # (a) alone: 3 alternated pairs,
+                                        # wall and CPU ratios, each run's wall-time breakdown and orders
 """
 from __future__ import annotations
 
@@ -139,7 +141,53 @@ def fixed_costs(client: Client, built_at: float, compute_at: float, result_at: f
     return {"first_token_max": max(p["first_token"] - compute_at for p in periods if p["first_token"]),
             "task_start_max": max(p["started"] - compute_at for p in periods),
             "engine_load_max": max(loads, default=0.0),
-            "result_after_last_token": result_at - max(t["last_token"] for t in lines if t["last_token"])}
+            "result_after_last_token": result_at - max(t["last_token"] for t in lines if t["last_token"]),
+            "breakdown": breakdown(periods, built_at, compute_at, result_at)}
+
+
+def breakdown(periods: list[dict[str, Any]], built_at: float, compute_at: float, result_at: float
+              ) -> dict[str, float]:
+    """Where the job's wall time went, in seconds: on the client (graph build, the tail from the
+    last task's return to the result), and per worker (the slowest worker's figure, and the
+    busiest's engine-thread time): task start, hand-off of the rows to the engine, the first
+    forward, forwards, commands (rows, migration), balancer snapshots, idle with the job open,
+    the last token to the task's return."""
+    def worst(f: Any) -> float:
+        values = [f(p) for p in periods]
+        return max((v for v in values if v is not None), default=0.0)
+
+    return {
+        "build (map_partitions, meta call)": compute_at - built_at,
+        "compute() -> first task starts": worst(lambda p: p["started"] - compute_at),
+        "task start -> rows in engine": worst(lambda p: p["rows_queued"] and p["rows_queued"] - p["started"]),
+        "rows in engine -> first token": worst(lambda p: p["first_token"] and p["rows_queued"]
+                                               and p["first_token"] - p["rows_queued"]),
+        "first step (prefill)": worst(lambda p: p["first_step_s"]),
+        "steps (forwards)": worst(lambda p: p["step_s"]),
+        "step count": worst(lambda p: p["steps"]),
+        "engine commands (rows, migration)": worst(lambda p: p["command_s"]),
+        "balancer snapshots": worst(lambda p: p["snapshot_s"]),
+        "engine idle while the job is open": worst(lambda p: p["idle_s"]),
+        "first token -> last token": worst(lambda p: p["last_token"] and p["first_token"]
+                                           and p["last_token"] - p["first_token"]),
+        "last token -> task returns": worst(lambda p: p["ended"] and p["last_token"] and p["ended"] - p["last_token"]),
+        "last task returns -> result in client": result_at - worst(lambda p: p["ended"]),
+        "compute() -> result": result_at - compute_at,
+    }
+
+
+def _plugin_log(dask_scheduler: Any) -> list[tuple[float, str, str, int, int, str]]:
+    from batchgen.cluster.plugin import PLUGIN_NAME
+
+    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
+    return [(t, o.src, o.dst, len(o.seq_ids), o.tokens, o.reason) for t, o in plugin.log] if plugin else []
+
+
+def order_log(client: Client, since: float) -> list[str]:
+    """The balancer's orders of the last run (the plugin keeps the last 100): 'at s: src -> dst, n rows, tokens'."""
+    names = {w: f"w{i}" for i, w in enumerate(sorted(client.scheduler_info()["workers"]))}
+    return [f"{t - since:6.2f}s {names.get(src, src)} -> {names.get(dst, dst)}: {n} rows, {tokens} tokens ({reason})"
+            for t, src, dst, n, tokens, reason in client.run_on_scheduler(_plugin_log) if t >= since]
 
 
 def cold_runs(client: Client, ddf: dd.DataFrame, model: str, options: dict[str, Any], repeat: int
@@ -165,6 +213,8 @@ def print_costs(name: str, c: dict[str, float]) -> None:
     print(f"  {name:44} first token {c['first_token_max']:5.2f}s  task start {c['task_start_max']:5.2f}s  "
           f"engine load {c['engine_load_max']:5.2f}s  result after last token {c['result_after_last_token']:5.2f}s"
           + (f"  (job {c['seconds']:.1f}s)" if "seconds" in c else ""))
+    for what, value in c.get("breakdown", {}).items():
+        print(f"      {what:44} {value:7.2f}")
 
 
 def warm_up(client: Client, model: str, options: dict[str, Any], vocab: int) -> None:
@@ -172,6 +222,77 @@ def warm_up(client: Client, model: str, options: dict[str, Any], vocab: int) -> 
     client.gather([client.submit(bc.generate, rows, model=model, per_row={"max_tokens": "max_tokens"},
                                  engine_options=options, workers=[w], pure=False)
                    for w in client.scheduler_info()["workers"]])
+
+
+def hf_seconds(ddf: dd.DataFrame, pdf: pd.DataFrame, model: str, chunk: int, pad_id: int) -> float:
+    t0 = time.perf_counter()
+    ddf.map_partitions(hf_partition, model, chunk, pad_id, meta=pdf.iloc[:0].assign(num_generated_tokens=0)).compute()
+    return time.perf_counter() - t0
+
+
+def _cpu_seconds() -> float:
+    return time.process_time()
+
+
+def worker_cpu(client: Client) -> dict[str, float]:
+    """CPU seconds each worker process has used so far (all its threads)."""
+    return client.run(_cpu_seconds)
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> float:
+    """The busiest worker's CPU seconds between two readings: on a machine with a core per worker
+    and nothing else running, about its wall time (the job's, when it is the last to finish)."""
+    return max(after[w] - before[w] for w in before if w in after)
+
+
+def ratio_pairs(client: Client, ddf: dd.DataFrame, pdf: pd.DataFrame, model: str, options: dict[str, Any],
+                vocab: int, chunk: int, pad_id: int, pairs: int, orders: bool = False, skip_hf: bool = False) -> None:
+    """(a) alone, as alternated pairs (batchgen, then transformers, warm): each pair's ratio, the
+    best and the median, with the load average at each pair; and each batchgen run's breakdown.
+    Also the ratio of the busiest worker's CPU seconds (hf / batchgen): on a shared, oversubscribed
+    machine wall time follows the share of the cores each side got, CPU time much less."""
+    if not skip_hf:
+        client.gather([client.submit(hf_partition, pdf.iloc[:1], model, chunk, pad_id, workers=[w], pure=False)
+                       for w in client.scheduler_info()["workers"]])
+    bc.connect(client=client, balance=BalanceConfig())
+    warm_up(client, model, options, vocab)
+    ratios: list[float] = []
+    cpu_ratios: list[float] = []
+    for i in range(pairs):
+        costs: list[dict[str, float]] = []
+        load0 = os.getloadavg()[0]
+        since = time.monotonic()
+        c0 = worker_cpu(client)
+        b = run_batchgen(client, ddf, model, options, costs)
+        c1 = worker_cpu(client)
+        moved = bc.metrics(client).get("migrations", 0)
+        log = order_log(client, since) if orders else []
+        if skip_hf:
+            print(f"run {i}: batchgen {b:.2f}s, busiest worker's CPU {cpu_delta(c0, c1):.2f}s (load average "
+                  f"{load0:.1f} -> {os.getloadavg()[0]:.1f}; migrated so far {moved})", flush=True)
+            if costs:
+                print_costs(f"batchgen run {i}", costs[0])
+            for line in log:
+                print("    " + line)
+            continue
+        h = hf_seconds(ddf, pdf, model, chunk, pad_id)
+        c2 = worker_cpu(client)
+        ratios.append(h / b)
+        bcpu, hcpu = cpu_delta(c0, c1), cpu_delta(c1, c2)
+        cpu_ratios.append(hcpu / bcpu)
+        print(f"pair {i}: batchgen {b:.2f}s, hf {h:.2f}s, hf / batchgen {h / b:.2f}; busiest worker's CPU "
+              f"batchgen {bcpu:.2f}s, hf {hcpu:.2f}s, hf / batchgen {hcpu / bcpu:.2f}  (load average "
+              f"{load0:.1f} -> {os.getloadavg()[0]:.1f}; migrated so far {moved})", flush=True)
+        if costs:
+            print_costs(f"batchgen run of pair {i}", costs[0])
+        for line in log:
+            print("    " + line)
+    if skip_hf:
+        return
+    for name, values in (("wall", ratios), ("busiest worker's CPU", cpu_ratios)):
+        values.sort()
+        print(f"hf / batchgen ({name}) over {pairs} pairs: best {values[-1]:.2f}, "
+              f"median {values[len(values) // 2]:.2f}, worst {values[0]:.2f}")
 
 
 def main() -> None:
@@ -188,6 +309,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="static / batchgen runs, alternated; best kept")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="skip the fixed-cost runs with engines stopped first")
+    ap.add_argument("--orders", action="store_true", help="print the balancer's orders of the best batchgen run")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="measure only (a): this many alternated batchgen / transformers pairs (best, median)")
     args = ap.parse_args()
 
     from batchgen.demo import PAD_ID, build_demo_model, tokenizer_vocab_size
@@ -207,9 +331,15 @@ def main() -> None:
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                       env=env) as cluster, Client(cluster) as client:
         ddf = dd.from_pandas(pdf, npartitions=args.partitions, sort=False)
+        if args.pairs:
+            ratio_pairs(client, ddf, pdf, model, options, vocab, args.chunk, PAD_ID, args.pairs, args.orders,
+                        args.skip_hf)
+            bc.disconnect(client)
+            return
         first = sorted(client.scheduler_info()["workers"])[0]
         seconds["single"] = client.submit(single_engine_seconds, pdf, model, options, workers=[first]).result()
         moved: dict[str, Any] = {}
+        orders: list[str] = []
         warm_costs: dict[str, float] = {}
         for _ in range(args.repeat):  # alternate, keep the best of each: the machine's load drifts
             seconds["balanced"] = min(seconds.get("balanced", float("inf")),
@@ -220,9 +350,11 @@ def main() -> None:
             bc.connect(client=client, balance=BalanceConfig())  # re-registers: split and migration on
             warm_up(client, model, options, vocab)
             run_costs: list[dict[str, float]] = []
+            since = time.monotonic()
             t = run_batchgen(client, ddf, model, options, run_costs)
             if t < seconds.get("batchgen", float("inf")):
                 seconds["batchgen"], warm_costs = t, (run_costs[0] if run_costs else {})
+                orders = order_log(client, since)
             moved = bc.metrics(client)
         cold = cold_runs(client, ddf, model, options, args.repeat) if not args.skip_cold else {}
         bc.disconnect(client)
@@ -230,10 +362,7 @@ def main() -> None:
         if not args.skip_hf:
             client.gather([client.submit(hf_partition, pdf.iloc[:1], model, args.chunk, PAD_ID, workers=[w], pure=False)
                            for w in client.scheduler_info()["workers"]])
-            t0 = time.perf_counter()
-            ddf.map_partitions(hf_partition, model, args.chunk, PAD_ID,
-                               meta=pdf.iloc[:0].assign(num_generated_tokens=0)).compute()
-            seconds["hf"] = time.perf_counter() - t0
+            seconds["hf"] = hf_seconds(ddf, pdf, model, args.chunk, PAD_ID)
 
     ideal = seconds["single"] / args.workers
     b = seconds["batchgen"]
@@ -246,6 +375,10 @@ def main() -> None:
         print(f"  hf       / batchgen  (transformers, chunks of {args.chunk})  {seconds['hf'] / b:6.2f}")
     print(f"  migrated coroutines (last batchgen run): {moved.get('migrations', 0)}, "
           f"by reason {moved.get('by_reason', {})}")
+    if args.orders:
+        print("  balancer orders of the best batchgen run (seconds from map_partitions):")
+        for line in orders:
+            print("    " + line)
     print("fixed costs of a job (seconds from compute(); the slowest worker):")
     print_costs("warm (engines loaded, best batchgen run)", warm_costs)
     for name, c in cold.items():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,24 @@ def test_running_coroutines_wait_for_the_tail_while_tasks_arrive() -> None:
 def test_full_destination_takes_nothing() -> None:
     a = load("a", [(i, 100, 10) for i in range(6)])
     assert plan_migrations([a, load("b", [], kv_used=0.95)]) == []
+
+
+def test_orders_of_one_round_do_not_fill_the_destinations_pool() -> None:
+    # 12 x 100 tokens to move; b's pool holds 2000 tokens at 50% use: room for (0.9 - 0.5) * 2000 =
+    # 800 tokens of KV, i.e. 5 started coroutines arriving with 150 computed each (the KV they bring;
+    # what they still generate is admitted as it comes, like any running row)
+    a = load("a", [(i, 50, 150) for i in range(24)])
+    full = dataclasses.replace(load("b", [], kv_used=0.5), kv_capacity_tokens=2000)
+    orders = plan_migrations([a, full], BalanceConfig(max_orders=8))
+    assert sum(len(o.seq_ids) for o in orders) == 5
+    assert all(o.dst == "b" for o in orders)
+    # pool size not reported: only the reported use counts, and half the gap moves
+    unknown = plan_migrations([a, load("b", [], kv_used=0.5)], BalanceConfig(max_orders=8))
+    assert sum(len(o.seq_ids) for o in unknown) == 12
+    # a second destination takes what the first has no room for
+    spread = plan_migrations([a, full, dataclasses.replace(load("c", []), kv_capacity_tokens=100_000)])
+    assert {o.dst for o in spread} == {"b", "c"}
+    assert sum(len(o.seq_ids) for o in spread if o.dst == "b") <= 5
 
 
 def test_cold_worker_only_for_big_work() -> None:

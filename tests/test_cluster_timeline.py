@@ -44,3 +44,28 @@ def test_a_busy_period_runs_from_the_first_task_to_the_last_return() -> None:
     t.task_opened()
     assert t.current == BusyPeriod(started=120.0, tasks=1)
     assert t.as_dict()["engine_ready"] == 120.0
+
+
+def test_engine_thread_time_is_split_by_kind_within_a_period() -> None:
+    clock = Clock()
+    t = Timeline(clock)
+    t.stepped(9.0)  # no period yet: not counted
+    t.spent("idle", 9.0)
+    t.task_opened()
+    clock.now = 100.5
+    t.rows_queued()
+    t.spent("idle", 0.25)
+    t.stepped(0.5)  # the first step (prefill)
+    t.stepped(0.1)
+    t.spent("command", 0.05)
+    t.spent("snapshot", 0.01)
+    clock.now = 102.0
+    t.rows_queued()  # a second task's rows: the first time is kept
+    t.rows_back()
+    clock.now = 102.5
+    t.task_closed()
+    t.stepped(7.0)  # after the period ended: not counted
+    p = t.current
+    assert p is not None
+    assert (p.rows_queued, p.rows_back, p.ended, p.steps) == (100.5, 102.0, 102.5, 2)
+    assert (p.first_step_s, p.step_s, p.command_s, p.snapshot_s, p.idle_s) == (0.5, 0.6, 0.05, 0.01, 0.25)

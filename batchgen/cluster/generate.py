@@ -129,6 +129,7 @@ def run_requests(spec: EngineSpec, requests: list[tuple[Any, Any]]) -> list[Requ
                 rejoin()
         else:
             job.wait()
+        host.timeline.rows_back()
         return job.result()
     finally:
         host.close_job(job)

@@ -32,11 +32,36 @@ SCHEDULER_HANDLERS = ("batchgen_load", "batchgen_metrics")
 
 @dataclass(slots=True)
 class WorkerView:
-    """The last report of one worker, and when it came."""
+    """The last report of one worker, and when it came.
+
+    An order shows in later reports only: the source stops listing the coroutines it sent, the
+    destination counts them as adopted. Until both have (or `settle_until` passes: the rows may
+    have finished before they moved), the two workers' reports describe the cluster before the
+    order, and planning on them would order the same move again.
+    """
 
     report: dict[str, Any]
     received: float
     cooldown_until: float = 0.0
+    leaving: dict[str, set[int]] = field(default_factory=dict)  # model -> seq ids ordered out, still listed
+    arriving: dict[str, int] = field(default_factory=dict)  # model -> adopted count its report must pass
+    settle_until: float = 0.0
+
+    def settled(self, now: float) -> bool:
+        return self.cooldown_until <= now and (not (self.leaving or self.arriving) or now >= self.settle_until)
+
+    def observe(self, report: dict[str, Any]) -> None:
+        """Take a new report; forget the orders it shows carried out."""
+        self.report = report
+        engines = report.get("engines", {})
+        for model in list(self.leaving):
+            listed = {int(c[0]) for c in engines.get(model, {}).get("movable", ())}
+            self.leaving[model] &= listed
+            if not self.leaving[model]:
+                del self.leaving[model]
+        for model, before in list(self.arriving.items()):
+            if int(engines.get(model, {}).get("adopted", 0)) > before:
+                del self.arriving[model]
 
 
 @dataclass(slots=True)
@@ -113,7 +138,10 @@ class BalancePlugin(SchedulerPlugin):
         "workers": live worker addresses (only when `epoch` is not the current one)}."""
         now = time.monotonic()
         view = self.views.get(worker)
-        self.views[worker] = WorkerView(report, now, view.cooldown_until if view else 0.0)
+        if view is None:
+            view = self.views[worker] = WorkerView(report, now)
+        view.received = now
+        view.observe(report)
         orders = [o for o in self._plan(now) if o.src == worker]
         for order in orders:
             self._record(order, now)
@@ -176,8 +204,7 @@ class BalancePlugin(SchedulerPlugin):
             len(ws.processing) > len(ws.long_running) for ws in s.workers.values())
 
     def _loads(self, now: float) -> list[EngineLoad]:
-        fresh = {w: v for w, v in self.views.items()
-                 if now - v.received < self.stale_after and v.cooldown_until <= now}
+        fresh = {w: v for w, v in self.views.items() if now - v.received < self.stale_after and v.settled(now)}
         models = {m for v in fresh.values() for m in v.report.get("engines", {})}
         loads: list[EngineLoad] = []
         for worker, view in fresh.items():
@@ -205,6 +232,12 @@ class BalancePlugin(SchedulerPlugin):
         for w in (order.src, order.dst):
             if w in self.views:
                 self.views[w].cooldown_until = now + self.cooldown
+                self.views[w].settle_until = now + self.stale_after
+        src, dst = self.views.get(order.src), self.views.get(order.dst)
+        if src is not None:
+            src.leaving.setdefault(order.model, set()).update(order.seq_ids)
+        if dst is not None:
+            dst.arriving[order.model] = int(dst.report.get("engines", {}).get(order.model, {}).get("adopted", 0))
         self.log.append((now, order))
         del self.log[:-100]
         logger.info("batchgen %s: %d coroutines (%d tokens) %s -> %s", order.reason, len(order.seq_ids),

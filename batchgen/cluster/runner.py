@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..outputs import RequestOutput
 from .balance import MAX_REPORTED, CoroutineInfo, reported_movable
 from .spec import EngineSpec
-from .speed import SpeedMeter
+from .speed import SpeedMeter, at_capacity
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -62,6 +62,7 @@ class RunnerLoad:
     expert_hit_rate: float = 1.0  # routed experts found in device memory (1.0: all resident)
     kv_capacity_tokens: int = 0  # the KV pool's size and the batch's seats: the balancer counts
     max_num_seqs: int = 0  # its planned orders into them
+    adopted: int = 0  # coroutines resumed here from other workers so far (in this snapshot)
 
 
 Done = Callable[[list[tuple[RowRef, RequestOutput]]], None]
@@ -86,6 +87,7 @@ class EngineRunner:
         self._gate = threading.Lock()  # a command is either queued before close / failure, or refused
         self.failure: BaseException | None = None
         self._last_snap = 0.0
+        self._adopted = 0
         self._meter = SpeedMeter(time.monotonic())
         self._thread = threading.Thread(target=self._run, name=f"batchgen-engine:{spec.model}", daemon=True)
         self._thread.start()
@@ -163,17 +165,23 @@ class EngineRunner:
             self._timeline.engine_loaded()
         try:
             self._snapshot(engine, force=True)
+            timeline = self._timeline
             while not self._closed.is_set():
-                self._drain(engine, block=not engine.has_unfinished())
+                if self._drain(engine, block=not engine.has_unfinished()):
+                    # rows added, adopted or moved out: report them before a step that may be long
+                    # (a first prefill), else the balancer sees this engine as it was before
+                    self._snapshot(engine, force=True)
                 if engine.has_unfinished():
                     before = engine.stats.generated_tokens
+                    t0 = time.perf_counter()
                     try:
                         finished = engine.step()
                     except BaseException as exc:  # noqa: BLE001
                         self._fail(exc)
                         return
-                    if self._timeline is not None:
-                        self._timeline.tokens(engine.stats.generated_tokens - before)
+                    if timeline is not None:
+                        timeline.stepped(time.perf_counter() - t0)
+                        timeline.tokens(engine.stats.generated_tokens - before)
                     self._finish(engine, finished)
                 self._snapshot(engine)
             self._refuse_pending(RuntimeError("engine runner is closed"))
@@ -198,24 +206,35 @@ class EngineRunner:
         refs, self._tickets = list(self._tickets.values()), {}
         self._on_fail(exc, refs)
 
-    def _drain(self, engine: Engine, block: bool) -> None:
+    def _drain(self, engine: Engine, block: bool) -> bool:
+        """Run the queued commands (waiting a little for one when `block`); -> whether any ran."""
+        t0 = time.perf_counter()
         try:
             item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
-        while True:
-            fn, fut = item
-            if fut.set_running_or_notify_cancel():
+            if block and self._timeline is not None:
+                self._timeline.spent("idle", time.perf_counter() - t0)
+            return False
+        t1 = time.perf_counter()
+        try:
+            while True:
+                fn, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(engine))
+                    except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                        fut.set_exception(exc)
+                if self._closed.is_set():
+                    return True  # closed by that command (close_if_idle): the rest are refused, not run
                 try:
-                    fut.set_result(fn(engine))
-                except BaseException as exc:  # noqa: BLE001 - the caller gets it
-                    fut.set_exception(exc)
-            if self._closed.is_set():
-                return  # closed by that command (close_if_idle): the rest are refused, not run
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return True
+        finally:
+            if self._timeline is not None:
+                if block:
+                    self._timeline.spent("idle", t1 - t0)
+                self._timeline.spent("command", time.perf_counter() - t1)
 
     def _add(self, engine: Engine, requests: list[Request]) -> None:
         done: list[tuple[RowRef, RequestOutput]] = []
@@ -229,6 +248,8 @@ class EngineRunner:
             if engine.get(seq_id).is_finished:
                 del self._tickets[seq_id]
                 done.append((ref, engine.pop_output(seq_id)))
+        if self._timeline is not None:
+            self._timeline.rows_queued()
         if done:
             self._on_done(done)
 
@@ -242,6 +263,7 @@ class EngineRunner:
                 logger.exception("cannot resume coroutine %s", ref)
                 rejected.append(ref)
                 continue
+            self._adopted += 1
             if engine.get(seq_id).is_finished:
                 done.append((ref, engine.pop_output(seq_id)))
             else:
@@ -296,16 +318,26 @@ class EngineRunner:
         if not force and now - self._last_snap < _SNAPSHOT_EVERY_S:
             return
         self._last_snap = now
+        t0 = time.perf_counter()
+        try:
+            self._take_snapshot(engine, now)
+        finally:
+            if self._timeline is not None:
+                self._timeline.spent("snapshot", time.perf_counter() - t0)
+
+    def _take_snapshot(self, engine: Engine, now: float) -> None:
         load = engine.load()
         generated = int(engine.stats.generated_tokens)
-        self._meter.observe(now, generated, load["waiting"])
+        capacity = at_capacity(load["waiting"], load["running"], int(engine.config.max_num_seqs or 0),
+                               float(load["kv_used_fraction"]))
+        self._meter.observe(now, generated, load["waiting"] if capacity else 0)
         # own coroutines and those held for others (which re-migrate via their owner)
         movable = [CoroutineInfo(int(seq_id), int(remaining), engine.get(seq_id).num_computed)
                    for seq_id, remaining in load["remaining_by_seq"].items() if seq_id in self._tickets]
         self._load = RunnerLoad(True, load["waiting"], load["running"], float(load["kv_used_fraction"]),
                                 int(load["remaining_tokens"]), self._meter.tokens_per_s, generated,
                                 reported_movable(movable), self._meter.speed, _expert_hit_rate(engine),
-                                int(load["kv_capacity_tokens"]), int(load["max_num_seqs"]))
+                                int(load["kv_capacity_tokens"]), int(load["max_num_seqs"]), self._adopted)
 
 
 def _expert_hit_rate(engine: Engine) -> float:

@@ -33,3 +33,14 @@ class SpeedMeter:
         if self.saturated:
             self.speed = max(rate, SPEED_DECAY * self.speed)
         self.last_t, self.last_tokens, self.saturated = now, generated, waiting > 0
+
+
+def at_capacity(waiting: int, running: int, max_num_seqs: int, kv_used: float, kv_full: float = 0.8) -> bool:
+    """Rows wait because the engine holds no more (its batch is at max_num_seqs, or its KV pool
+    is nearly full), not merely for their prefill's turn under the per-step token budget: at the
+    start of a job every row waits a step or two while the batch is far from full, and a rate
+    taken then measures prefill, not the engine's capacity (two equal engines came out 2x apart
+    that way and the balancer moved work on it). The runner passes `waiting` to `observe` only
+    when this holds."""
+    return waiting > 0 and (running >= max_num_seqs or kv_used >= kv_full)
+

@@ -1,0 +1,52 @@
+"""BalancePlugin waits for an order to show in the reports before planning on them again
+(no cluster: its load handler is called directly)."""
+from __future__ import annotations
+
+import time
+
+from batchgen.cluster.plugin import BalancePlugin
+
+M = "model"
+
+
+def report(coroutines: list[tuple[int, int, int]], adopted: int = 0) -> dict:
+    """coroutines: (seq_id, remaining, num_computed)."""
+    return {"engines": {M: {"ready": True, "waiting": 0, "running": len(coroutines),
+                            "remaining_tokens": sum(r for _, r, _ in coroutines), "kv_used": 0.1,
+                            "tokens_per_s": 0.0, "speed": 0.0, "kv_capacity_tokens": 100_000, "adopted": adopted,
+                            "movable": [list(c) for c in coroutines]}},
+            "counters": {}}
+
+
+def test_an_order_is_not_repeated_until_both_reports_show_it() -> None:
+    plugin = BalancePlugin(cooldown=0.0, stale_after=0.5)
+    tail = [(i, 100, 40) for i in range(6)]
+    plugin.handle_load("b", report([]), 0)
+    [order] = plugin.handle_load("a", report(tail), 0)["orders"]
+    moved = set(order["seq_ids"])
+    assert order["dst"] == "b" and len(moved) == 3
+    # the cooldown is over, but a's report still lists the rows it was ordered to send and b has
+    # not adopted them: the same move must not be ordered again
+    plugin.handle_load("b", report([]), 0)
+    assert plugin.handle_load("a", report(tail), 0)["orders"] == []
+    # a sent them; b has not reported them yet: still waiting for b
+    kept = [c for c in tail if c[0] not in moved]
+    assert plugin.handle_load("a", report(kept), 0)["orders"] == []
+    assert plugin.views["a"].leaving == {} and plugin.views["b"].arriving == {M: 0}
+    # b adopted them: both settled, and balanced
+    arrived = [(100 + i, 100, 40) for i in range(3)]
+    plugin.handle_load("b", report(arrived, adopted=3), 0)
+    assert plugin.views["b"].arriving == {} and plugin.views["b"].settled(time.monotonic())
+    assert plugin.handle_load("a", report(kept), 0)["orders"] == []
+    assert plugin.counters.orders == 1
+
+
+def test_an_order_that_never_shows_stops_blocking_after_stale_after() -> None:
+    plugin = BalancePlugin(cooldown=0.0, stale_after=0.3)
+    tail = [(i, 100, 40) for i in range(6)]
+    plugin.handle_load("b", report([]), 0)
+    assert len(plugin.handle_load("a", report(tail), 0)["orders"]) == 1
+    assert plugin.handle_load("a", report(tail), 0)["orders"] == []
+    time.sleep(0.35)  # e.g. the rows finished before the order reached a: nothing will ever show
+    plugin.handle_load("b", report([]), 0)
+    assert len(plugin.handle_load("a", report(tail), 0)["orders"]) == 1
