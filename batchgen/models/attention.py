@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .cuda_decode import DecodeTables, use_paged_kernel
+from .cuda_decode import DecodeTables, gqa_decode, use_paged_kernel
 from .layers import rms_norm
 from .rope import RotaryEmbedding
 from .spec import GQASpec
@@ -66,7 +66,7 @@ class AttentionBatch:
     prefills: list[PrefillChunk]
     block_size: int
     rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by id(rotary)
-    decode_tables: DecodeTables | None = None  # CUDA: decodes for the Triton kernel, no groups
+    decode_tables: DecodeTables | None = None  # decodes for the paged kernel (CUDA, CPU), no groups
 
     def rope_tables(self, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of this batch's positions, looked up once per forward, not per layer."""
@@ -81,8 +81,9 @@ class AttentionBatch:
 
     @staticmethod
     def build(items: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
-              device: torch.device) -> "AttentionBatch":
-        """items: per sequence (num_computed, num_new, block_ids); tokens laid out in that order."""
+              device: torch.device, dtype: torch.dtype | None = None) -> "AttentionBatch":
+        """items: per sequence (num_computed, num_new, block_ids); tokens laid out in that order.
+        dtype: the KV pool's; decodes go to a paged kernel where `use_paged_kernel` has one."""
         positions: list[int] = []
         slots: list[int] = []
         decodes: list[tuple[int, int, Sequence[int]]] = []  # (row, context length, block ids)
@@ -101,7 +102,7 @@ class AttentionBatch:
                 table = t(list(blocks[:-(-end // block_size)]))
                 prefills.append(PrefillChunk(start, new, table, end, t(list(range(computed, end)))))
 
-        tables = DecodeTables.build(decodes, block_size, device) if decodes and use_paged_kernel(device) else None
+        tables = DecodeTables.build(decodes, block_size, device) if decodes and use_paged_kernel(device, dtype) else None
         groups = [] if tables is not None else [_decode_group(g, block_size, device) for g in _by_length(decodes)]
         return AttentionBatch(positions=t(positions), slot_mapping=t(slots), decode_groups=groups,
                               prefills=prefills, block_size=block_size, decode_tables=tables)
@@ -179,7 +180,7 @@ def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor,
 
     decode: attends the decoding groups straight from the cached rows instead of expanding them
     to K and V (MLA's absorbed form); prefill chunks always expand. paged: the kernel for
-    `batch.decode_tables` (set on CUDA), reading the cache in place."""
+    `batch.decode_tables` (set where `use_paged_kernel` holds), reading the cache in place."""
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
     bs = batch.block_size
     if batch.decode_tables is not None:
@@ -228,10 +229,7 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
         return kk.unflatten(-1, (hk, d)), vv.unflatten(-1, (hk, d))
 
     def paged(q_rows: torch.Tensor, kv: torch.Tensor, t: DecodeTables) -> torch.Tensor:
-        from batchgen_kernels import paged_attention_gqa
-
-        return paged_attention_gqa(q_rows, kv, t.block_tables, t.context_lens, t.block_size, hk, d ** -0.5,
-                                   a.sliding_window)
+        return gqa_decode(q_rows, kv, t, hk, d ** -0.5, a.sliding_window)
 
     out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d, paged=paged)
     return F.linear(out.reshape(T, hq * d), w.o, w.o_bias)
