@@ -8,6 +8,7 @@ Importing this package never imports triton; `fused_moe` and the paged-attention
 from __future__ import annotations
 
 from .config import get_config
+from .cpu_rope import cpu_rope_kv_available, rope_kv_write_cpu, rope_kv_write_reference
 from .cpu_paged_attention import cpu_paged_attention_available, paged_attention_gqa_cpu, paged_attention_mla_cpu
 from .errors import CpuKernelUnavailableError, KernelError, KernelInputError, TritonUnavailableError
 from .fused_moe import fused_moe, moe_align_triton, triton_available
@@ -27,6 +28,7 @@ __all__ = [
     "fused_moe_reference",
     "fused_moe_reference_into",
     "cpu_paged_attention_available",
+    "cpu_rope_kv_available",
     "get_config",
     "grouped_mm_supported",
     "moe_align",
@@ -38,5 +40,7 @@ __all__ = [
     "paged_attention_mla",
     "paged_attention_mla_cpu",
     "paged_attention_mla_reference",
+    "rope_kv_write_cpu",
+    "rope_kv_write_reference",
     "triton_available",
 ]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from batchgen_kernels import (
-    cpu_paged_attention_available, paged_attention_gqa, paged_attention_gqa_cpu, paged_attention_mla,
-    paged_attention_mla_cpu, triton_available,
+    cpu_paged_attention_available, cpu_rope_kv_available, paged_attention_gqa, paged_attention_gqa_cpu,
+    paged_attention_mla, paged_attention_mla_cpu, rope_kv_write_cpu, triton_available,
 )
 
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -49,6 +49,13 @@ def use_paged_kernel(device: torch.device, dtype: torch.dtype | None = None) -> 
     if device.type == "cuda":
         return triton_available()
     return device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and cpu_paged_attention_available()
+
+
+def use_fused_rope(qkv: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether rope of q/k and the KV write run as one compiled CPU pass (rope_kv_write_cpu):
+    both on CPU in one supported dtype, and the kernel built here."""
+    return qkv.device.type == "cpu" and cache.device.type == "cpu" and qkv.dtype == cache.dtype \
+        and qkv.dtype in CPU_KERNEL_DTYPES and cpu_rope_kv_available()
 
 
 def _on_cpu_kernel(q: torch.Tensor) -> bool:
