@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -59,9 +60,12 @@ def _compiler() -> str | None:
 
 def _build(cxx: str, source: Path, flags: list[str], target: Path) -> str | None:
     """-> None when `target` was built, else the compiler's complaint."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # concurrent builders never share a file
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # concurrent builders never share a file
+        os.close(fd)
+    except OSError as exc:
+        return f"cannot write the kernel cache {target.parent}: {exc}"
     try:
         done = subprocess.run([cxx, *_BASE_FLAGS, *flags, str(source), "-o", tmp], capture_output=True,
                               text=True, timeout=BUILD_TIMEOUT_S)
@@ -133,6 +137,8 @@ def cpu_kernels(name: str = "paged_attention_cpu") -> ctypes.CDLL | None:
         return None
     if name not in _state:
         _state[name] = _load(name)
+        if _state[name][1] is not None:
+            logging.getLogger("batchgen_kernels").warning("%s: using the torch path: %s", name, _state[name][1])
     return _state[name][0]
 
 
