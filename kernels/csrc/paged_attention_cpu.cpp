@@ -93,9 +93,12 @@ struct Args {
 // flash attention does with its tiles: scores of the block's positions, an online-softmax update
 // of each head's running maximum / sum / accumulator, then the block's values, read while the
 // block's rows (consecutive slots) are still in L1. Every row is fetched from memory once.
-template <typename T>
+// DK, DV > 0: head widths known at compile time (32 / 64 / 128), so the dot products and
+// updates unroll; 0: read from a.
+template <typename T, int DK, int DV>
 void attend(const Args& a, int s, int h0, int h1, std::vector<float>& scratch) {
-  const int g = a.num_q_heads / a.num_kv_heads, dk = a.dk, dv = a.dv, bs = a.block_size, nh = h1 - h0;
+  const int g = a.num_q_heads / a.num_kv_heads, bs = a.block_size, nh = h1 - h0;
+  const int dk = DK > 0 ? DK : a.dk, dv = DV > 0 ? DV : a.dv;
   const int len = a.context_lens[s];
   const int start = (a.window > 0 && len > a.window) ? len - a.window : 0;
   // [nh, Dk] scaled queries | [nh, Dv] accumulators | [nh] maxima | [nh] sums | [bs] scores |
@@ -168,7 +171,7 @@ int32_t check(const Args& a) {
   return 0;
 }
 
-template <typename T>
+template <typename T, int DK, int DV>
 int32_t run(const Args& a, int32_t num_threads) {
   if (int32_t bad = check(a)) return bad;
   // one item per sequence; split by kv head only when there are too few sequences for the threads
@@ -181,7 +184,7 @@ int32_t run(const Args& a, int32_t num_threads) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int h0 = static_cast<int>(it % split) * per_item;
-      attend<T>(a, static_cast<int>(it / split), h0, h0 + per_item, scratch);
+      attend<T, DK, DV>(a, static_cast<int>(it / split), h0, h0 + per_item, scratch);
     }
   }
   return 0;
@@ -202,7 +205,16 @@ int32_t batchgen_paged_decode(int32_t dtype, const void* q, int64_t q_stride_s, 
   const Args a{q, q_stride_s, q_stride_h, cache, row_stride, num_slots, block_tables, table_stride, table_width,
                context_lens, out, out_stride_s, out_stride_h, num_seqs, num_q_heads, num_kv_heads, dk, dv,
                key_head_stride, value_offset, value_head_stride, block_size, window, scale};
-  return dtype == 0 ? run<float>(a, num_threads) : run<uint16_t>(a, num_threads);
+  const int same = dk == dv ? dk : 0;
+  if (dtype == 0) {
+    if (same == 32) return run<float, 32, 32>(a, num_threads);
+    if (same == 64) return run<float, 64, 64>(a, num_threads);
+    if (same == 128) return run<float, 128, 128>(a, num_threads);
+    return run<float, 0, 0>(a, num_threads);
+  }
+  if (same == 64) return run<uint16_t, 64, 64>(a, num_threads);
+  if (same == 128) return run<uint16_t, 128, 128>(a, num_threads);
+  return run<uint16_t, 0, 0>(a, num_threads);
 }
 
 int32_t batchgen_abi_version() { return 1; }
