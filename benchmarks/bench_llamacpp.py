@@ -6,7 +6,9 @@ checkpoint converted to GGUF f32 by the converter its source distribution ships,
 batching over --slots sequences as llama-server does it: each `llama_decode` carries one token per
 decoding slot plus prompt tokens of newly admitted rows up to --n-batch, and a finished row's slot
 takes the next row at once. Reports tokens/s of both and their ratio, and checks batchgen's greedy
-tokens against transformers' on the first --check-rows rows.
+tokens against transformers' on the first --check-rows rows. Also runs batchgen with its compiled
+CPU kernels off (BATCHGEN_CPU_KERNELS=0: decode attention through gathered length groups, torch
+rope) in the same alternation, as the previous path.
 
     pip install llama-cpp-python            # builds llama.cpp from source (minutes)
     pip download --no-binary :all: --no-deps llama-cpp-python -d sdist && tar xzf sdist/*.tar.gz
@@ -18,6 +20,7 @@ it is told the GPT-2 one (which is what they are), see `convert`.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -154,12 +157,18 @@ def main() -> None:
         gguf = args.gguf or convert(model_dir, args.converter, Path(tmp) / "demo-f32.gguf")
         prompts, lengths = workload(args.rows, 1000, args.seed)
         tokens = sum(lengths)
-        t_lc, t_bg = float("inf"), float("inf")
+        t_lc, t_bg, t_off = float("inf"), float("inf"), float("inf")
         for _ in range(args.repeats):
             elapsed, out_lc = run_llamacpp(gguf, prompts, lengths, args.slots, args.threads, args.n_batch)
             t_lc = min(t_lc, elapsed)
             elapsed, _, out_bg = run_batchgen(model_dir, prompts, lengths)
             t_bg = min(t_bg, elapsed)
+            os.environ["BATCHGEN_CPU_KERNELS"] = "0"
+            try:
+                elapsed, _, out_off = run_batchgen(model_dir, prompts, lengths)
+            finally:
+                del os.environ["BATCHGEN_CPU_KERNELS"]
+            t_off = min(t_off, elapsed)
         k = min(args.check_rows, args.rows)
         hf = transformers_greedy(model_dir, prompts[:k], lengths[:k]) if k else []
     assert [len(o) for o in out_lc] == lengths
@@ -169,6 +178,9 @@ def main() -> None:
           f"{sorted(lengths)[len(lengths) // 2]} max {max(lengths)}; best of {args.repeats}")
     print(f"llama.cpp (GGUF f32, {args.slots} slots, n_batch {args.n_batch}): {tokens / t_lc:8.1f} tok/s")
     print(f"batchgen:                                      {tokens / t_bg:8.1f} tok/s   ratio {t_lc / t_bg:.2f}x")
+    print(f"batchgen, CPU kernels off (previous path):     {tokens / t_off:8.1f} tok/s   ratio {t_lc / t_off:.2f}x"
+          f"   kernels on / off {t_off / t_bg:.2f}x, tokens equal on {sum(a == b for a, b in zip(out_bg, out_off))}"
+          f"/{args.rows} rows")
     print(f"batchgen greedy tokens equal to transformers on {same_hf}/{k} rows; "
           f"rows where llama.cpp's tokens equal batchgen's: {agree}/{args.rows}")
     if same_hf != k:

@@ -17,3 +17,7 @@ class KernelInputError(KernelError, ValueError):
 
 class TritonUnavailableError(KernelError, ImportError):
     """Triton is not installed (or failed to import), so the fused kernels cannot run."""
+
+
+class CpuKernelUnavailableError(KernelError, ImportError):
+    """The compiled CPU kernels could not be built or loaded here (no compiler, a failed build)."""

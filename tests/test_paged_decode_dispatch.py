@@ -1,5 +1,6 @@
 """The CUDA decode dispatch (models/cuda_decode.py) run on CPU: the Triton paged-attention
-kernel in Triton's interpreter, forced on in place of the torch decode path, still gives
+kernel in Triton's interpreter (the compiled CPU kernel turned off), forced on in place of the
+torch decode path, still gives
 transformers' greedy tokens (GQA with and without q/k norm, MLA with and without q_lora_rank)."""
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ def test_paged_kernel_decode_matches_transformers(arch: str, checkpoint_factory,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
 
-    def forced(device: torch.device) -> bool:
+    def forced(device: torch.device, dtype: torch.dtype | None = None) -> bool:
         calls.append(1)
         return True
 
     monkeypatch.setattr(attention, "use_paged_kernel", forced)
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")  # the Triton kernel, not the compiled CPU one
     model_dir = checkpoint_factory(arch)
     engine = Engine(model_dir, dtype="float32", device="cpu", block_size=5, kv_cache_bytes=4 << 20)
     prompts = [prompt_ids[0], prompt_ids[3], prompt_ids[-1]]  # short, middling, longest

@@ -4,9 +4,11 @@ Shape legend: T new tokens in the batch, S sequences, Q new tokens of one sequen
 length (padded to the longest in a group), Hq query heads, Hk key/value heads, D head dim,
 W cached floats per token (K and V for GQA, the latent for MLA).
 
-Decoding sequences (one new token each) attend in padded batches of similar context length;
-prefill chunks attend one sequence at a time, so prompts of very different lengths never pad
-each other.
+Decoding sequences (one new token each) go to a paged kernel that reads the cache in place
+where the device has one (`cuda_decode.use_paged_kernel`: Triton on CUDA, C++ on CPU), else
+attend in padded batches of similar context length (blocks gathered per group). Prefill chunks
+attend one sequence at a time, unpadded; a sequence's first chunk attends its fresh K/V with
+SDPA's causal mask, later chunks read their blocks back.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .cuda_decode import DecodeTables, use_paged_kernel
+from .cuda_decode import DecodeTables, gqa_decode, rope_kv_write_cpu, use_fused_rope, use_paged_kernel
 from .layers import rms_norm
 from .rope import RotaryEmbedding
 from .spec import GQASpec
@@ -66,7 +68,7 @@ class AttentionBatch:
     prefills: list[PrefillChunk]
     block_size: int
     rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by id(rotary)
-    decode_tables: DecodeTables | None = None  # CUDA: decodes for the Triton kernel, no groups
+    decode_tables: DecodeTables | None = None  # decodes for the paged kernel (CUDA, CPU), no groups
 
     def rope_tables(self, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of this batch's positions, looked up once per forward, not per layer."""
@@ -81,8 +83,9 @@ class AttentionBatch:
 
     @staticmethod
     def build(items: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
-              device: torch.device) -> "AttentionBatch":
-        """items: per sequence (num_computed, num_new, block_ids); tokens laid out in that order."""
+              device: torch.device, dtype: torch.dtype | None = None) -> "AttentionBatch":
+        """items: per sequence (num_computed, num_new, block_ids); tokens laid out in that order.
+        dtype: the KV pool's; decodes go to a paged kernel where `use_paged_kernel` has one."""
         positions: list[int] = []
         slots: list[int] = []
         decodes: list[tuple[int, int, Sequence[int]]] = []  # (row, context length, block ids)
@@ -101,7 +104,7 @@ class AttentionBatch:
                 table = t(list(blocks[:-(-end // block_size)]))
                 prefills.append(PrefillChunk(start, new, table, end, t(list(range(computed, end)))))
 
-        tables = DecodeTables.build(decodes, block_size, device) if decodes and use_paged_kernel(device) else None
+        tables = DecodeTables.build(decodes, block_size, device) if decodes and use_paged_kernel(device, dtype) else None
         groups = [] if tables is not None else [_decode_group(g, block_size, device) for g in _by_length(decodes)]
         return AttentionBatch(positions=t(positions), slot_mapping=t(slots), decode_groups=groups,
                               prefills=prefills, block_size=block_size, decode_tables=tables)
@@ -172,14 +175,26 @@ DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, DecodeTables], torch.Tensor]
 
 
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [Q, Hq, Dk], k: [Q, Hk, Dk], v: [Q, Hk, Dv] of positions 0 .. Q-1 -> [Q, Hq, Dv].
+
+    A prompt's first chunk: SDPA's own causal mask and GQA (no mask tensor, no folded queries)."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
 def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor, expand: KVExpander,
                     scale: float, window: int | None, v_dim: int,
-                    decode: DecodeAttention | None = None, paged: PagedDecode | None = None) -> torch.Tensor:
+                    decode: DecodeAttention | None = None, paged: PagedDecode | None = None,
+                    fresh: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, Dk]; cache: [slots, W] already holding this batch's new KV -> [T, Hq, v_dim].
 
     decode: attends the decoding groups straight from the cached rows instead of expanding them
     to K and V (MLA's absorbed form); prefill chunks always expand. paged: the kernel for
-    `batch.decode_tables` (set on CUDA), reading the cache in place."""
+    `batch.decode_tables` (set where `use_paged_kernel` holds), reading the cache in place.
+    fresh: [T, W] the rows just written to the cache, in batch order: a chunk that starts its
+    sequence attends them directly (its whole context) instead of reading its blocks back."""
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
     bs = batch.block_size
     if batch.decode_tables is not None:
@@ -195,7 +210,14 @@ def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor,
         out[group.rows] = _attend(q[group.rows].unsqueeze(1), k, v, allowed, scale).squeeze(1)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        k, v = expand(read_blocks(cache, chunk.block_table, bs)[:chunk.context].unsqueeze(0))
+        if fresh is not None and chunk.context == chunk.num_tokens:
+            k, v = expand(fresh[rows])  # [Q, Hk, *]: the chunk is its sequence's whole context
+            if window is None or window >= chunk.context:
+                out[rows] = _attend_causal(q[rows], k, v, scale)
+                continue
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
+        else:
+            k, v = expand(read_blocks(cache, chunk.block_table, bs)[:chunk.context].unsqueeze(0))
         out[rows] = _attend(q[rows].unsqueeze(0), k, v, chunk.mask(window), scale).squeeze(0)
     return out
 
@@ -207,7 +229,13 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
     hq, hk, d = a.num_heads, a.num_kv_heads, a.head_dim
     qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2 Hk) D]
     tables = batch.rope_tables(rotary)
-    if a.qk_norm == "none" and a.clip_qkv is None:
+    plain = a.qk_norm == "none" and a.clip_qkv is None
+    fused = plain and use_fused_rope(qkv, cache)
+    if fused:
+        # rotate q and k and write K/V into the cache in one compiled pass
+        q, new_kv = rope_kv_write_cpu(qkv, tables[0].squeeze(1), tables[1].squeeze(1), batch.slot_mapping, cache,
+                                      hq, hk, d, rotary.interleaved)
+    elif plain:
         # q and k are adjacent heads of the projection: rotate them in one call
         qk = rotary.apply(qkv[:, :(hq + hk) * d].view(T, hq + hk, d), batch.positions, tables)
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hk) * d:]
@@ -221,17 +249,16 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
         if a.qk_norm == "head":
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         q, k = rotary.apply(q, batch.positions, tables), rotary.apply(k, batch.positions, tables)
-    cache.index_copy_(0, batch.slot_mapping, torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1).to(cache.dtype))
+    if not fused:
+        new_kv = torch.cat([k.reshape(T, -1), v.reshape(T, -1)], dim=-1).to(cache.dtype)  # [T, W]
+        cache.index_copy_(0, batch.slot_mapping, new_kv)
 
     def expand(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kk, vv = rows.split(hk * d, dim=-1)
         return kk.unflatten(-1, (hk, d)), vv.unflatten(-1, (hk, d))
 
     def paged(q_rows: torch.Tensor, kv: torch.Tensor, t: DecodeTables) -> torch.Tensor:
-        from batchgen_kernels import paged_attention_gqa
+        return gqa_decode(q_rows, kv, t, hk, d ** -0.5, a.sliding_window)
 
-        return paged_attention_gqa(q_rows, kv, t.block_tables, t.context_lens, t.block_size, hk, d ** -0.5,
-                                   a.sliding_window)
-
-    out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d, paged=paged)
+    out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d, paged=paged, fresh=new_kv)
     return F.linear(out.reshape(T, hq * d), w.o, w.o_bias)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionBatch, paged_attention
-from .cuda_decode import DecodeTables
+from .cuda_decode import DecodeTables, mla_decode
 from .layers import rms_norm
 from .rope import RotaryEmbedding
 from .spec import MLASpec
@@ -45,7 +45,8 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbe
     latent, k_pe = F.linear(x, w.kv_a, w.kv_a_bias).split([r, rope_dim], dim=-1)
     latent = rms_norm(latent, w.kv_a_norm, LATENT_NORM_EPS)
     k_pe = rotary.apply(k_pe.unsqueeze(1), batch.positions, tables).squeeze(1)
-    cache.index_copy_(0, batch.slot_mapping, torch.cat([latent, k_pe], dim=-1).to(cache.dtype))
+    new_rows = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)  # [T, r + rope]
+    cache.index_copy_(0, batch.slot_mapping, new_rows)
 
     def expand(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kv = F.linear(rows[..., :r], w.kv_b).unflatten(-1, (h, nope + a.v_head_dim))  # [..., L, Hq, nope + v]
@@ -67,13 +68,11 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbe
         return torch.einsum("shr,hvr->shv", o_latent.squeeze(2), w_uv)
 
     def paged(q_rows: torch.Tensor, kv: torch.Tensor, t: DecodeTables) -> torch.Tensor:
-        """The same absorbed form, the latent read in place by the Triton kernel."""
-        from batchgen_kernels import paged_attention_mla
-
+        """The same absorbed form, the latent read in place by the paged kernel."""
         q_latent = torch.einsum("shn,hnr->shr", q_rows[..., :nope], w_uk)
         query = torch.cat([q_latent, q_rows[..., nope:]], dim=-1)  # [Sd, Hq, r + rope]
-        o_latent = paged_attention_mla(query, kv, t.block_tables, t.context_lens, t.block_size, r, a.softmax_scale)
+        o_latent = mla_decode(query, kv, t, r, a.softmax_scale)
         return torch.einsum("shr,hvr->shv", o_latent, w_uv)
 
-    out = paged_attention(q, batch, cache, expand, a.softmax_scale, None, a.v_head_dim, decode, paged)
+    out = paged_attention(q, batch, cache, expand, a.softmax_scale, None, a.v_head_dim, decode, paged, new_rows)
     return F.linear(out.reshape(T, h * a.v_head_dim), w.o, w.o_bias)

@@ -26,7 +26,7 @@ class Executor:
         self.attention_kv_tokens = attention_kv_tokens
         self.kv_device = kv_device or model.device
         use_graphs = graphs is not None and self.kv_device == model.device and model.experts is None \
-            and use_paged_kernel(self.kv_device)
+            and self.kv_device.type == "cuda" and use_paged_kernel(self.kv_device)
         # [layers, slots, W]: W = K and V of every kv head (GQA) or the latent (MLA); with graphs
         # one more slot, where padding rows write
         self.cache = torch.zeros(model.num_layers, num_blocks * block_size + int(use_graphs), model.spec.kv_width,
@@ -54,7 +54,8 @@ class Executor:
         for g in groups:
             n = sum(i.num_new for i in g)
             items = [(i.seq.num_computed, i.num_new, i.seq.block_ids) for i in g]
-            batches.append((slice(row, row + n), AttentionBatch.build(items, self.block_size, self.kv_device)))
+            batches.append((slice(row, row + n), AttentionBatch.build(items, self.block_size, self.kv_device,
+                                                                      self.cache.dtype)))
             row += n
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
         routed: list[torch.Tensor] = []  # per MoE layer: topk_ids [T, A], read back once per forward
