@@ -50,3 +50,26 @@ def test_an_order_that_never_shows_stops_blocking_after_stale_after() -> None:
     time.sleep(0.35)  # e.g. the rows finished before the order reached a: nothing will ever show
     plugin.handle_load("b", report([]), 0)
     assert len(plugin.handle_load("a", report(tail), 0)["orders"]) == 1
+
+
+def test_a_report_that_leaves_out_rows_being_submitted_is_not_planned_on() -> None:
+    # b's task has handed its partition to the engine thread, which has not added it yet: b's
+    # report shows no work, and a split planned on it would send a's rows to a worker about to
+    # get its own (then move them back)
+    plugin = BalancePlugin(cooldown=0.0, stale_after=0.3)
+    tail = [(i, 100, 0) for i in range(6)]
+    plugin.handle_load("b", {**report([]), "jobs": 1, "submitting_rows": 128}, 0)
+    assert plugin.handle_load("a", report(tail), 0)["orders"] == []
+    # its next report shows them in the engine: planned on again
+    plugin.handle_load("b", {**report([]), "jobs": 1, "submitting_rows": 0}, 0)
+    assert len(plugin.handle_load("a", report(tail), 0)["orders"]) == 1
+
+
+def test_a_report_still_behind_after_stale_after_is_planned_on() -> None:
+    plugin = BalancePlugin(cooldown=0.0, stale_after=0.2)
+    tail = [(i, 100, 0) for i in range(6)]
+    plugin.handle_load("b", {**report([]), "submitting_rows": 5}, 0)
+    assert plugin.handle_load("a", report(tail), 0)["orders"] == []
+    time.sleep(0.25)  # a submission that never ends must not stop balancing for good
+    plugin.handle_load("b", {**report([]), "submitting_rows": 5}, 0)
+    assert len(plugin.handle_load("a", report(tail), 0)["orders"]) == 1

@@ -13,6 +13,7 @@ import pickle
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,9 @@ class Host:
         self._lock = threading.RLock()
         self._closed = False
         self.peak_jobs = 0  # most partitions waiting here at once (seceded tasks)
+        # job id -> rows handed to the engine thread and not yet in its engine: the load report
+        # does not show them, so the balancer must not read this worker as idle meanwhile
+        self._submitting: dict[str, int] = {}
         self._last_progress = 0.0
         self._cancelled: dict[tuple[str, str], None] = {}  # (owner, job_id), oldest first
         self._live: set[str] | None = None  # live workers as last told (drop_orphans); None: not known
@@ -102,11 +106,18 @@ class Host:
                 raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
             self._jobs[job.job_id] = job
             self.peak_jobs = max(self.peak_jobs, len(self._jobs))
+            self._submitting[job.job_id] = len(requests)
         self.timeline.task_opened()
         batch: list[Request] = [(RowRef(job.job_id, i), p, sp) for i, (p, sp) in enumerate(requests)]
         fut = self.engines.call(spec, lambda runner: runner.submit(batch))
-        fut.add_done_callback(lambda f: job.fail(f.exception()) if f.exception() is not None else None)
+        fut.add_done_callback(lambda f: self._submitted(job, f))
         return job
+
+    def _submitted(self, job: PartitionJob, fut: Future[Any]) -> None:
+        with self._lock:
+            self._submitting.pop(job.job_id, None)
+        if fut.exception() is not None:
+            job.fail(fut.exception())
 
     def close_job(self, job: PartitionJob) -> None:
         """Forget the job; any of its coroutines still here (duplicates, a failed job) are dropped."""
@@ -393,7 +404,9 @@ class Host:
         with self._lock:
             counters = dataclasses.asdict(self.counters)
             jobs = len(self._jobs)
-        return {"engines": engines, "counters": counters, "jobs": jobs, "peak_jobs": self.peak_jobs,
+            submitting = sum(self._submitting.values())
+        return {"engines": engines, "counters": counters, "jobs": jobs, "submitting_rows": submitting,
+                "peak_jobs": self.peak_jobs,
                 "timeline": self.timeline.as_dict()}
 
     def close(self) -> None:

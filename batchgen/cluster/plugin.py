@@ -46,6 +46,7 @@ class WorkerView:
     leaving: dict[str, set[int]] = field(default_factory=dict)  # model -> seq ids ordered out, still listed
     arriving: dict[str, int] = field(default_factory=dict)  # model -> adopted count its report must pass
     settle_until: float = 0.0
+    behind_since: float | None = None  # when its report first showed fewer jobs than its seceded tasks
 
     def settled(self, now: float) -> bool:
         return self.cooldown_until <= now and (not (self.leaving or self.arriving) or now >= self.settle_until)
@@ -203,8 +204,25 @@ class BalancePlugin(SchedulerPlugin):
         return bool(s.queued) or bool(s.unrunnable) or any(
             len(ws.processing) > len(ws.long_running) for ws in s.workers.values())
 
+    def _report_behind(self, worker: str, view: WorkerView, now: float) -> bool:
+        """Does the worker's last report leave out rows it already holds: a task that seceded
+        (handed its rows to the host) which the report does not count among its jobs yet, or rows
+        handed to the engine thread and not yet in the engine? Then the report understates its
+        work, and a split planned on it sends rows to a worker whose own partition is just
+        arriving (seen at most job starts, then moved back). Bounded by `stale_after`, since a
+        seceded task that is not batchgen's never shows as a job."""
+        ws = self.scheduler.workers.get(worker) if self.scheduler is not None else None
+        seceded = len(ws.long_running) if ws is not None else 0
+        if seceded <= int(view.report.get("jobs", 0)) and not view.report.get("submitting_rows", 0):
+            view.behind_since = None
+            return False
+        if view.behind_since is None:
+            view.behind_since = now
+        return now - view.behind_since < self.stale_after
+
     def _loads(self, now: float) -> list[EngineLoad]:
-        fresh = {w: v for w, v in self.views.items() if now - v.received < self.stale_after and v.settled(now)}
+        fresh = {w: v for w, v in self.views.items() if now - v.received < self.stale_after and v.settled(now)
+                 and not self._report_behind(w, v, now)}
         models = {m for v in fresh.values() for m in v.report.get("engines", {})}
         loads: list[EngineLoad] = []
         for worker, view in fresh.items():
