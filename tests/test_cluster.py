@@ -130,7 +130,9 @@ def test_long_partitions_migrate_to_the_idle_worker(client: Client, ckpt: Path, 
     assert client.run(lambda dask_worker: dask_worker.extensions[EXTENSION].host.peak_jobs, workers=[busy])[busy] >= 2
     time.sleep(0.5)  # the last counters arrive with the next pushes
     m = bc.metrics(client)
-    assert m["migrations"] > before
+    why = {k: m[k] for k in ("orders", "ordered_coroutines", "by_reason")}
+    assert m["migrations"] > before, (why, {w: {k: v for k, v in m["workers"][w].items() if k != "timeline"}
+                                            for w in (busy, idle)})
     assert m["workers"][busy]["migrated_out"] > 0 and m["workers"][idle]["migrated_in"] > 0
     assert m["workers"][idle]["returned"] > 0
 

@@ -36,8 +36,9 @@ def test_chat_template_in_transformers(tokenizer_dir: Path, tmp_path: Path) -> N
     hf = AutoTokenizer.from_pretrained(tokenizer_dir)
     assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (0, 1, 2)
     msgs = [{"role": "user", "content": "hi"}]
+    # the template starts with bos_token: chat prompts are encoded without special tokens
     assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        hf.bos_token + "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
     assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False).endswith("<|im_end|>\n")
     plain_dir = tiny_models.build_tokenizer(tmp_path, chat_template=False)
