@@ -31,13 +31,14 @@ def test_an_order_is_not_repeated_until_both_reports_show_it() -> None:
     assert plugin.handle_load("a", report(tail), 0)["orders"] == []
     # a sent them; b has not reported them yet: still waiting for b
     kept = [c for c in tail if c[0] not in moved]
-    assert plugin.handle_load("a", report(kept), 0)["orders"] == []
+    sent = {**report(kept), "counters": {"migrated_out": 3}}
+    assert plugin.handle_load("a", sent, 0)["orders"] == []
     assert plugin.views["a"].leaving == {} and plugin.views["b"].arriving == {M: 0}
     # b adopted them: both settled, and balanced
     arrived = [(100 + i, 100, 40) for i in range(3)]
     plugin.handle_load("b", report(arrived, adopted=3), 0)
     assert plugin.views["b"].arriving == {} and plugin.views["b"].settled(time.monotonic())
-    assert plugin.handle_load("a", report(kept), 0)["orders"] == []
+    assert plugin.handle_load("a", sent, 0)["orders"] == []
     assert plugin.counters.orders == 1
 
 
@@ -73,3 +74,28 @@ def test_a_report_still_behind_after_stale_after_is_planned_on() -> None:
     time.sleep(0.25)  # a submission that never ends must not stop balancing for good
     plugin.handle_load("b", {**report([]), "submitting_rows": 5}, 0)
     assert len(plugin.handle_load("a", report(tail), 0)["orders"]) == 1
+
+
+def test_an_order_whose_rows_finished_before_moving_does_not_keep_its_destination_waiting() -> None:
+    plugin = BalancePlugin(cooldown=0.0, stale_after=30.0)
+    tail = [(i, 100, 40) for i in range(6)]
+    plugin.handle_load("b", report([]), 0)
+    [order] = plugin.handle_load("a", report(tail), 0)["orders"]
+    assert plugin.views["b"].arriving == {M: 0}
+    # all of a's rows finished before it could send any (its migrated_out did not move): b gets
+    # nothing, so it stops waiting at once instead of after stale_after
+    plugin.handle_load("a", {**report([]), "counters": {"migrated_out": 0}}, 0)
+    assert plugin.views["b"].arriving == {} and plugin.views["b"].settled(time.monotonic())
+    # a new job on a is balanced onto b straight away
+    plugin.handle_load("b", report([]), 0)
+    assert len(plugin.handle_load("a", report([(50 + i, 100, 40) for i in range(6)]), 0)["orders"]) == 1
+
+
+def test_an_order_that_was_sent_still_waits_for_the_destination() -> None:
+    plugin = BalancePlugin(cooldown=0.0, stale_after=30.0)
+    tail = [(i, 100, 40) for i in range(6)]
+    plugin.handle_load("b", report([]), 0)
+    [order] = plugin.handle_load("a", report(tail), 0)["orders"]
+    kept = [c for c in tail if c[0] not in set(order["seq_ids"])]
+    plugin.handle_load("a", {**report(kept), "counters": {"migrated_out": 3}}, 0)  # sent, in flight
+    assert plugin.views["b"].arriving == {M: 0}

@@ -93,6 +93,10 @@ class BalancePlugin(SchedulerPlugin):
         # batchgen.moa); other models may cold-start anywhere
         self.pinned: dict[str, frozenset[str]] = {}
         self._collector: prometheus.BatchgenCollector | None = None
+        # orders whose rows the source still lists, with its migrated_out count when ordered: an
+        # order whose rows all finished at the source before it could send them brings nothing,
+        # so its destination must not wait (up to stale_after) for an adoption that never comes
+        self._unsent: list[tuple[Migration, int]] = []
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -143,6 +147,7 @@ class BalancePlugin(SchedulerPlugin):
             view = self.views[worker] = WorkerView(report, now)
         view.received = now
         view.observe(report)
+        self._forget_unsent(worker, report)
         orders = [o for o in self._plan(now) if o.src == worker]
         for order in orders:
             self._record(order, now)
@@ -241,6 +246,24 @@ class BalancePlugin(SchedulerPlugin):
                     int(e.get("max_num_seqs", 0))))
         return loads
 
+    def _forget_unsent(self, worker: str, report: dict[str, Any]) -> None:
+        """On a report from an order's source that no longer lists its rows: if the source sent
+        nothing since (its migrated_out count unchanged), the rows finished there first, and the
+        destination stops waiting for them."""
+        keep: list[tuple[Migration, int]] = []
+        for order, sent_before in self._unsent:
+            if order.src != worker:
+                keep.append((order, sent_before))
+                continue
+            listed = {int(c[0]) for c in report.get("engines", {}).get(order.model, {}).get("movable", ())}
+            if listed & set(order.seq_ids):
+                keep.append((order, sent_before))
+                continue
+            dst = self.views.get(order.dst)
+            if _migrated_out(report) == sent_before and dst is not None:
+                dst.arriving.pop(order.model, None)
+        self._unsent = keep
+
     def _record(self, order: Migration, now: float) -> None:
         c = self.counters
         c.orders += 1
@@ -256,7 +279,14 @@ class BalancePlugin(SchedulerPlugin):
             src.leaving.setdefault(order.model, set()).update(order.seq_ids)
         if dst is not None:
             dst.arriving[order.model] = int(dst.report.get("engines", {}).get(order.model, {}).get("adopted", 0))
+        if src is not None:
+            self._unsent.append((order, _migrated_out(src.report)))
+            del self._unsent[:-100]
         self.log.append((now, order))
         del self.log[:-100]
         logger.info("batchgen %s: %d coroutines (%d tokens) %s -> %s", order.reason, len(order.seq_ids),
                     order.tokens, order.src, order.dst)
+
+
+def _migrated_out(report: dict[str, Any]) -> int:
+    return int(report.get("counters", {}).get("migrated_out", 0))
