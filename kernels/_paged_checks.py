@@ -1,4 +1,4 @@
-"""Shape and dtype checks shared by the paged-attention reference and its Triton launcher."""
+"""Shape and dtype checks shared by the paged-attention reference and its Triton and CPU launchers."""
 from __future__ import annotations
 
 import torch
@@ -31,3 +31,28 @@ def check_paged_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: torch
     if not isinstance(block_size, int) or block_size < 1:
         raise KernelInputError(f"block_size must be a positive int, got {block_size!r}")
     return S, hq, d
+
+
+def check_gqa_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     block_size: int, num_kv_heads: int, window: int | None) -> tuple[int, int, int]:
+    """check_paged_inputs, plus a GQA cache row of 2 * Hk * D (K then V) and Hq a multiple of Hk
+    -> (S, Hq, D)."""
+    S, hq, d = check_paged_inputs(q, cache, block_tables, context_lens, block_size)
+    hk = num_kv_heads
+    if hk < 1 or hq % hk or cache.shape[1] != 2 * hk * d:
+        raise KernelInputError(f"GQA cache rows must be 2 * {hk} kv heads * {d} = {2 * hk * d} wide with "
+                               f"{hq} query heads a multiple of {hk}, got width {cache.shape[1]}")
+    if window is not None and window < 1:
+        raise KernelInputError(f"window must be >= 1 or None, got {window}")
+    return S, hq, d
+
+
+def check_mla_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     block_size: int, kv_lora_rank: int) -> tuple[int, int, int]:
+    """check_paged_inputs, plus a latent cache row as wide as q and 0 < kv_lora_rank <= it
+    -> (S, Hq, R + P)."""
+    S, hq, w = check_paged_inputs(q, cache, block_tables, context_lens, block_size)
+    if cache.shape[1] != w or not 0 < kv_lora_rank <= w:
+        raise KernelInputError(f"MLA cache rows must be q's width {w} with 0 < kv_lora_rank <= {w}, "
+                               f"got width {cache.shape[1]}, kv_lora_rank {kv_lora_rank}")
+    return S, hq, w

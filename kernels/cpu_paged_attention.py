@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._cpu_build import cpu_kernels, cpu_kernels_error
-from ._paged_checks import check_paged_inputs
+from ._paged_checks import check_gqa_inputs, check_mla_inputs
 from .errors import CpuKernelUnavailableError, KernelInputError
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -64,13 +64,8 @@ def paged_attention_gqa_cpu(q: torch.Tensor, cache: torch.Tensor, block_tables: 
     head, then V); block_tables: [S, MB] int32/int64; context_lens: [S] (>= 1, the new token
     included, its KV already written) -> [S, Hq, D]. window: only the last `window` positions.
     """
-    S, hq, d = check_paged_inputs(q, cache, block_tables, context_lens, block_size)
+    S, hq, d = check_gqa_inputs(q, cache, block_tables, context_lens, block_size, num_kv_heads, window)
     hk = num_kv_heads
-    if hk < 1 or hq % hk or cache.shape[1] != 2 * hk * d:
-        raise KernelInputError(f"GQA cache rows must be 2 * {hk} kv heads * {d} = {2 * hk * d} wide with "
-                               f"{hq} query heads a multiple of {hk}, got width {cache.shape[1]}")
-    if window is not None and window < 1:
-        raise KernelInputError(f"window must be >= 1 or None, got {window}")
     return _launch(q, cache, block_tables, context_lens, block_size, hk, scale, window, d, d,
                    key_head_stride=d, value_offset=hk * d, value_head_stride=d)
 
@@ -84,9 +79,6 @@ def paged_attention_mla_cpu(q: torch.Tensor, cache: torch.Tensor, block_tables: 
     q: [S, Hq, R + P] (latent query, then rope query); cache: [slots, R + P] (latent, then the
     rotated shared key) -> [S, Hq, R]. One kv head: its key is the whole row, its value the latent.
     """
-    S, hq, w = check_paged_inputs(q, cache, block_tables, context_lens, block_size)
-    if cache.shape[1] != w or not 0 < kv_lora_rank <= w:
-        raise KernelInputError(f"MLA cache rows must be q's width {w} with 0 < kv_lora_rank <= {w}, "
-                               f"got width {cache.shape[1]}, kv_lora_rank {kv_lora_rank}")
+    S, hq, w = check_mla_inputs(q, cache, block_tables, context_lens, block_size, kv_lora_rank)
     return _launch(q, cache, block_tables, context_lens, block_size, 1, scale, None, w, kv_lora_rank,
                    key_head_stride=0, value_offset=0, value_head_stride=0)

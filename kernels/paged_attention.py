@@ -11,7 +11,7 @@ from types import ModuleType
 
 import torch
 
-from ._paged_checks import check_paged_inputs
+from ._paged_checks import check_gqa_inputs, check_mla_inputs
 from .errors import KernelInputError, TritonUnavailableError
 
 # Tile sizes: tl.dot needs every dim >= 16 when compiled. BLOCK_N context tokens per iteration,
@@ -86,13 +86,8 @@ def paged_attention_gqa(q: torch.Tensor, cache: torch.Tensor, block_tables: torc
     block_tables: [S, MB] int32/int64; context_lens: [S] (>= 1, the new token included, its KV
     already written) -> [S, Hq, D]. window: only the last `window` positions (sliding window).
     """
-    S, hq, d = check_paged_inputs(q, cache, block_tables, context_lens, block_size)
+    S, hq, d = check_gqa_inputs(q, cache, block_tables, context_lens, block_size, num_kv_heads, window)
     hk = num_kv_heads
-    if hk < 1 or hq % hk or cache.shape[1] != 2 * hk * d:
-        raise KernelInputError(f"GQA cache rows must be 2 * {hk} kv heads * {d} = {2 * hk * d} wide with "
-                               f"{hq} query heads a multiple of {hk}, got width {cache.shape[1]}")
-    if window is not None and window < 1:
-        raise KernelInputError(f"window must be >= 1 or None, got {window}")
     return _launch(q, cache, block_tables, context_lens, block_size, hk, scale, window, d, 0, d,
                    key_head_stride=d, value_offset=hk * d, value_head_stride=d, value_is_key=False)
 
@@ -107,10 +102,7 @@ def paged_attention_mla(q: torch.Tensor, cache: torch.Tensor, block_tables: torc
     rotated shared key) -> [S, Hq, R]. Every query head attends the one shared latent head;
     the latent tile is loaded once as key and value.
     """
-    S, hq, w = check_paged_inputs(q, cache, block_tables, context_lens, block_size)
-    if cache.shape[1] != w or not 0 < kv_lora_rank <= w:
-        raise KernelInputError(f"MLA cache rows must be q's width {w} with 0 < kv_lora_rank <= {w}, "
-                               f"got width {cache.shape[1]}, kv_lora_rank {kv_lora_rank}")
+    S, hq, w = check_mla_inputs(q, cache, block_tables, context_lens, block_size, kv_lora_rank)
     r = kv_lora_rank
     return _launch(q, cache, block_tables, context_lens, block_size, 1, scale, None, r, w - r, r,
                    key_head_stride=0, value_offset=0, value_head_stride=0, value_is_key=True)
