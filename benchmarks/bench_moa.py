@@ -8,8 +8,9 @@ weights (they always agree), so rows routed to both reach confidence 2/3 and ski
 at skip_threshold 0.6; at 1.0 only rows whose three answers agree skip; inf never skips; 0.0
 skips every row (no aggregator at all: the expert stage alone, for the placement comparison).
 Each run starts with no engine loaded (release between runs), so load times count as in a job.
-Costs come from profiling each model in the driver (profile_cost, at a batch of 128 rows: the
-batch the job's engines reach), after one warm-up job has paid the workers' first imports. Each
+Costs come from profiling each model in the driver (profile_cost at the batch the job's engines
+reach: their max_num_seqs or what their KV cache holds of these rows), after one warm-up job has
+paid the workers' first imports. Each
 configuration runs --repeat times, interleaved; best of them. Besides wall seconds, each run
 reports each worker's CPU seconds and the driver's (the driver holds the scheduler too): on a
 shared machine wall time follows what others run, and the busiest worker's CPU seconds is the
@@ -28,6 +29,7 @@ Every figure it prints is simulated.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -74,7 +76,7 @@ def profile(models: dict[str, Path]) -> dict:
     from batchgen.moa.costs import profile_cost
 
     torch.set_num_threads(1)
-    return {n: profile_cost(d, rows=128, max_tokens=SAMPLING[n]["max_tokens"], engine_options=OPTIONS)
+    return {n: profile_cost(d, max_tokens=SAMPLING[n]["max_tokens"], engine_options=OPTIONS)
             for n, d in models.items()}
 
 
@@ -183,6 +185,14 @@ def main() -> None:
               f"{rr['expert_stage_s'] / ilp['expert_stage_s']:.2f}x measured, "
               f"{rr['predicted_expert_stage_s'] / ilp['predicted_expert_stage_s']:.2f}x predicted, "
               f"{busiest[('round_robin', 0.0)] / busiest[('ilp', 0.0)]:.2f}x in the busiest worker's CPU seconds")
+        # What wall time can show on this machine: the driver (client + scheduler) shares the
+        # workers' cores, so ilp's stage takes at least (all its CPU seconds) / cores, while
+        # round_robin's takes at least its busiest worker's (its idle worker's core absorbs the driver).
+        cores = os.cpu_count() or 1
+        ilp_floor = (sum(ilp["worker_cpu_s"].values()) + ilp["driver_cpu_s"]) / min(cores, len(ilp["worker_cpu_s"]))
+        print(f"machine bound on the wall ratio: round_robin's busiest worker {busiest[('round_robin', 0.0)]:.2f} "
+              f"CPU s / ilp's CPU s over {min(cores, len(ilp['worker_cpu_s']))} cores {ilp_floor:.2f} s = "
+              f"{busiest[('round_robin', 0.0)] / ilp_floor:.2f}x at most (for these runs' CPU seconds)")
         if args.expert_only:
             dp = best[("data_parallel", 0.0)]
             print(f"data_parallel / ilp: {dp['expert_stage_s'] / ilp['expert_stage_s']:.2f}x measured, "

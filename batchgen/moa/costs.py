@@ -9,6 +9,7 @@ models matter to the makespan, except where load time is weighed against work.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .placement import ModelCost
 
@@ -36,10 +37,14 @@ def cost_from_speed(model_dir: str | Path, tokens_per_s: float, load_s: float) -
     return ModelCost(1.0 / tokens_per_s, load_s, weight_bytes(model_dir))
 
 
-def profile_cost(model_dir: str | Path, *, rows: int = 128, max_tokens: int = 16, prompt_tokens: int = 8,
+def profile_cost(model_dir: str | Path, *, rows: int | None = None, max_tokens: int = 16, prompt_tokens: int = 8,
                  repeat: int = 3, engine_options: dict | None = None) -> ModelCost:
     """Measure a model here, at the batch the job reaches (`rows` at once; run it on the
-    hardware the workers have), as MOSAIC profiles offline. A batch of r rows of k generated
+    hardware the workers have), as MOSAIC profiles offline. rows=None: the batch this engine
+    reaches on rows of `prompt_tokens` + `max_tokens`: its max_num_seqs, or fewer when its KV
+    cache holds fewer such rows at once (a replica's rows beyond that wait for a seat, so a
+    larger batch is never run; a smaller profile batch pays more forwards per token than the
+    job will). A batch of r rows of k generated
     tokens is taken to cost r x per row + k x (per forward + r x per token): batches of
     n = max(max_tokens, 16) and of 1 tokens, at r = rows and at rows / 4 (greedy, ignore_eos;
     interleaved, best of `repeat` each, so a load spike from elsewhere does not land in one
@@ -61,14 +66,17 @@ def profile_cost(model_dir: str | Path, *, rows: int = 128, max_tokens: int = 16
         engine.generate(prompts, params)
         return time.perf_counter() - start
 
-    rows, n = max(4, rows), max(16, max_tokens)
-    quarter = rows // 4
+    n = max(16, max_tokens)
     starts: list[tuple[float, float]] = []  # (engine start, its first batch)
     best: dict[tuple[int, int], float] = {}
     for _ in range(2):
         begin = time.perf_counter()
         engine = Engine(model_dir, **(engine_options or {}))
         built = time.perf_counter() - begin
+        if rows is None:
+            rows = reachable_batch(engine, prompt_tokens + n)
+        rows = max(4, rows)
+        quarter = rows // 4
         try:
             starts.append((built, batch(engine, rows, n)))
             if len(starts) == 2:
@@ -86,3 +94,12 @@ def profile_cost(model_dir: str | Path, *, rows: int = 128, max_tokens: int = 16
     per_row = max(0.0, (best[rows, 1] - per_step) / rows - per_token)
     load_s = min(built + max(0.0, first - best[rows, n]) for built, first in starts)
     return ModelCost(per_token, load_s, weight_bytes(model_dir), per_row, per_step, rows)
+
+
+def reachable_batch(engine: Any, row_tokens: int) -> int:
+    """Rows `engine` runs at once when each holds `row_tokens` of KV at its end: its
+    max_num_seqs, or as many such rows as its KV blocks hold."""
+    seats = int(engine.config.max_num_seqs)
+    block = int(engine.allocator.block_size)
+    per_row = -(-max(1, row_tokens) // block)  # blocks
+    return max(1, min(seats, int(engine.allocator.num_blocks) // per_row))
