@@ -191,34 +191,42 @@ class MoA:
         try:
             if first:
                 self.pool.submit(first, expert_plan)
-            for key, output in self.pool.results():
-                i, stage = key  # type: ignore[misc]
+            for finished in self.pool.results_by_task():
                 now = time.perf_counter()
-                if stage == "agg":
-                    agg_last = now
-                    out.final(i, output, self.extract)
-                    continue
-                expert_last = now
-                row = rows[i]
-                row.answers[stage[1]] = output
-                row.waiting -= 1
-                if row.waiting:
-                    continue
-                if row.layer < self.layers:
-                    row.previous, row.answers, row.layer = row.answers, {}, row.layer + 1
-                    self.pool.submit(self._layer_items(i, row, prompts[i]), expert_plan)
-                    continue
-                if not self._decide(i, row, out):
+                next_layer: list[Item] = []
+                to_aggregate: list[Item] = []
+                for key, output in finished:
+                    i, stage = key  # type: ignore[misc]
+                    if stage == "agg":
+                        agg_last = now
+                        out.final(i, output, self.extract)
+                        continue
+                    expert_last = now
+                    row = rows[i]
+                    row.answers[stage[1]] = output
+                    row.waiting -= 1
+                    if row.waiting:
+                        continue
+                    if row.layer < self.layers:
+                        row.previous, row.answers, row.layer = row.answers, {}, row.layer + 1
+                        next_layer += self._layer_items(i, row, prompts[i])
+                        continue
+                    if not self._decide(i, row, out):
+                        refs = [row.answers[n].text for n in row.experts if row.answers[n].error is None]
+                        to_aggregate.append(Item((i, "agg"), self.aggregator,
+                                                 self._prompt(self.aggregator, prompts[i], refs),
+                                                 self.sampling[self.aggregator]))
+                # the rows this task completed go on together (one task per model and worker, not per row)
+                if next_layer:
+                    self.pool.submit(next_layer, expert_plan)
+                if to_aggregate:
                     if agg_plan is None:
                         agg_plan = self._aggregator_plan(expert_plan, len(records), prompts)
                         if agg_plan is not expert_plan:
                             stats.placements.append(agg_plan)
                             stats.placement += "; aggregator " + agg_plan.describe()
                         agg_first = now
-                    refs = [row.answers[n].text for n in row.experts if row.answers[n].error is None]
-                    item = Item((i, "agg"), self.aggregator, self._prompt(self.aggregator, prompts[i], refs),
-                                self.sampling[self.aggregator])
-                    self.pool.submit([item], agg_plan)
+                    self.pool.submit(to_aggregate, agg_plan)
         finally:
             stats.finished_s = {w: dict(m) for w, m in self.pool.finished_s.items()}
             self.pool.close()

@@ -51,6 +51,7 @@ LOCAL = "local"  # the worker name of this process, outside Dask
 PREFILL_WEIGHT = 0.05  # a prompt token costs about this many generated tokens (batched prefill)
 TASKS_PER_GROUP = 8  # tasks per (model, worker) group when rows_per_task is not given
 MIN_ROWS_PER_TASK = 8
+RESEND_CHECK_S = 1.0  # how often results() asks the scheduler which workers are alive (a round trip)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +170,7 @@ class ModelPool:
             group.sort(key=lambda it: -it.predicted_tokens())
             # the longest rows first, so they start first wherever the tasks queue
             size = self.task_size(len(group))
-            for i in range(0, len(group), size):
-                self._send(model, worker, group[i:i + size])
+            self._send(model, worker, [group[i:i + size] for i in range(0, len(group), size)])
 
     def task_size(self, rows: int) -> int:
         """Rows per task for a group of `rows` bound for one (model, worker)."""
@@ -184,24 +184,28 @@ class ModelPool:
             replicas = [w.name for w in self.workers()]
         return min(replicas, key=lambda w: (self._submitted.get((model, w), 0.0), w))
 
-    def _send(self, model: str, worker: str, items: list[Item]) -> None:
-        keys = [it.key for it in items]
-        requests = [(it.prompt, it.params) for it in items]
+    def _send(self, model: str, worker: str, tasks: list[list[Item]]) -> None:
+        """One task per list of items, all to `worker` (on Dask: one client.map, one round trip
+        to the scheduler for all of them rather than one per task)."""
         spec = self.specs[model]
         with self._lock:
-            self._pending += 1
+            self._pending += len(tasks)
         if self.client is None:
             if self._local is None:
                 self._local = ThreadPoolExecutor(max_workers=64, thread_name_prefix="batchgen-moa")
-            fut = self._local.submit(_run_local, spec, requests)
-            self._futures[str(id(fut))] = (fut, model, worker, items)
+            futures = [self._local.submit(_run_local, spec, [(it.prompt, it.params) for it in items])
+                       for items in tasks]
+            keys = [str(id(f)) for f in futures]
         else:
             from ..cluster.generate import generate_rows
 
-            fut = self.client.submit(generate_rows, requests, model=spec.model, engine_options=dict(spec.options),
-                                     workers=[worker], allow_other_workers=False, retries=self.retries, pure=False)
-            self._futures[fut.key] = (fut, model, worker, items)
-        fut.add_done_callback(lambda f, keys=keys: self._finished(keys, f))
+            futures = self.client.map(generate_rows, [[(it.prompt, it.params) for it in items] for items in tasks],
+                                      model=spec.model, engine_options=dict(spec.options), workers=[worker],
+                                      allow_other_workers=False, retries=self.retries, pure=False)
+            keys = [f.key for f in futures]
+        for key, fut, items in zip(keys, futures, tasks):
+            self._futures[key] = (fut, model, worker, items)
+            fut.add_done_callback(lambda f, keys=[it.key for it in items]: self._finished(keys, f))
 
     def _finished(self, keys: list[Hashable], fut: Any) -> None:
         key = getattr(fut, "key", str(id(fut)))
@@ -238,18 +242,24 @@ class ModelPool:
             with self._lock:
                 self._replaced.add(key)
                 self._futures.pop(key, None)
-            self._send(model, target, items)
+            self._send(model, target, [items])
             fut.cancel()
 
     def results(self) -> Iterator[tuple[Hashable, RequestOutput]]:
         """(key, output) as tasks finish, until nothing submitted is left (rows submitted while
         iterating are waited for too). A task that failed outright (its model cannot load)
         gives each of its rows an error output."""
+        for outputs in self.results_by_task():
+            yield from outputs
+
+    def results_by_task(self) -> Iterator[list[tuple[Hashable, RequestOutput]]]:
+        """results(), one finished task's rows at a time: a caller that submits follow-up rows
+        (the MoA aggregator) sends them together, one task, rather than one task per row."""
         while True:
             with self._lock:
                 if self._pending == 0:
                     return
-            if self.client is not None and time.monotonic() - self._last_check > 0.5:
+            if self.client is not None and time.monotonic() - self._last_check > RESEND_CHECK_S:
                 self._last_check = time.monotonic()
                 self._resend_lost()
             try:
@@ -260,12 +270,11 @@ class ModelPool:
                 self._pending -= 1
             if isinstance(result, BaseException):
                 message = f"{type(result).__name__}: {result}"
-                for i, key in enumerate(keys):
-                    yield key, RequestOutput(i, [], [], "", "error", message)
+                yield [(key, RequestOutput(i, [], [], "", "error", message)) for i, key in enumerate(keys)]
                 continue
             if len(result) != len(keys):
                 raise RuntimeError(f"a batchgen task returned {len(result)} outputs for {len(keys)} rows")
-            yield from zip(keys, result)
+            yield list(zip(keys, result))
 
     def close(self) -> None:
         """Unpin the models on the scheduler; cancel what is still running."""
