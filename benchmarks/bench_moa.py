@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -165,12 +166,14 @@ def main() -> None:
         if args.expert_only:
             configs = [("round_robin", 0.0), ("ilp", 0.0), ("data_parallel", 0.0)]
         best: dict[tuple[str, float], dict] = {}
+        runs: dict[tuple[str, float], list[float]] = {}  # total_s of every repeat, in order
         for _ in range(args.repeat):
             for placement, threshold in configs:
                 s = run(models, client, pdf, placement, threshold, costs)
                 key = (placement, threshold)
                 if key not in best or s["total_s"] < best[key]["total_s"]:
                     best[key] = s
+                runs.setdefault(key, []).append(s["total_s"])
                 print(f"{placement:12s} threshold {threshold:<4} expert {s['expert_stage_s']:6.2f} s  "
                       f"aggregator {s['aggregator_stage_s']:6.2f} s  total {s['total_s']:6.2f} s  "
                       f"skipped {s['rows_skipped']}/{s['rows']}  | cpu s: workers "
@@ -185,6 +188,9 @@ def main() -> None:
               f"{rr['expert_stage_s'] / ilp['expert_stage_s']:.2f}x measured, "
               f"{rr['predicted_expert_stage_s'] / ilp['predicted_expert_stage_s']:.2f}x predicted, "
               f"{busiest[('round_robin', 0.0)] / busiest[('ilp', 0.0)]:.2f}x in the busiest worker's CPU seconds")
+        pairs = [a / b for a, b in zip(runs[("round_robin", 0.0)], runs[("ilp", 0.0)])]
+        print(f"round_robin / ilp per repeat (each pair run back to back): {', '.join(f'{p:.2f}x' for p in pairs)}; "
+              f"median {statistics.median(pairs):.2f}x")
         # What wall time can show on this machine: the driver (client + scheduler) shares the
         # workers' cores, so ilp's stage takes at least (all its CPU seconds) / cores, while
         # round_robin's takes at least its busiest worker's (its idle worker's core absorbs the driver).
