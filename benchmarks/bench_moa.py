@@ -70,14 +70,17 @@ SAMPLING = {"long": {"max_tokens": 40}, "twin1": {"max_tokens": 4}, "twin2": {"m
 OPTIONS = {"kv_cache_bytes": 32 << 20}
 
 
-def profile(models: dict[str, Path]) -> dict:
-    """Offline profiling (MOSAIC's input): each model's load time and tokens/s here, one thread."""
+def profile(models: dict[str, Path], sample_prompt: str) -> dict:
+    """Offline profiling (MOSAIC's input): each model's load time and tokens/s here, one thread,
+    on rows as long as the job's (the prompt's tokens decide how many rows the KV cache holds)."""
     import torch
 
     from batchgen.moa.costs import profile_cost
+    from batchgen.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
-    return {n: profile_cost(d, max_tokens=SAMPLING[n]["max_tokens"], engine_options=OPTIONS)
+    return {n: profile_cost(d, max_tokens=SAMPLING[n]["max_tokens"], engine_options=OPTIONS,
+                            prompt_tokens=len(Tokenizer.from_dir(Path(d), []).encode(sample_prompt)))
             for n, d in models.items()}
 
 
@@ -157,7 +160,7 @@ def main() -> None:
         # warm-up (estimated costs): first imports on the workers and here, before profiling, so
         # the workers' start does not land in the profile's batches
         run(models, client, frame(8), "ilp", 0.6, None)
-        costs = profile(models)
+        costs = profile(models, max(pdf.prompt, key=len))  # rows as long as the longest of the job's
         print("profiled:", {n: (f"{1 / c.seconds_per_token:.0f} tok/s", f"{c.seconds_per_row * 1e3:.2f} ms/row",
                                 f"{c.seconds_per_step * 1e3:.1f} ms/forward", f"load {c.load_s:.2f} s")
                             for n, c in costs.items()}, flush=True)
