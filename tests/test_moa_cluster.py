@@ -133,6 +133,36 @@ def test_always_aggregate_and_unknown_route(client: Client, models: dict[str, Pa
     assert job.stats.rows_skipped == 0 and job.stats.rows_aggregated == 4
 
 
+def test_second_layer_reads_the_first_layers_answers(client: Client, models: dict[str, Path],
+                                                      alone: Callable) -> None:
+    pdf = frame(6)
+    job = make_job(models, client, layers=2, skip_threshold=float("inf"))
+    out = job.generate(pdf)
+    assert out["error"].isna().all()
+    for idx, row in out.iterrows():
+        first = {n: alone(n, [row["prompt"]], job.sampling[n])[0] for n in row["experts"]}
+        for n in row["experts"]:  # layer 2: the model on the row's prompt with the layer-1 answers injected
+            want = alone(n, [job._prompt(n, row["prompt"], [first[m] for m in row["experts"]])], job.sampling[n])[0]
+            assert row[f"{n}_text"] == want, (idx, n)
+        refs = [row[f"{n}_text"] for n in row["experts"]]  # the aggregator sees the last layer's answers
+        assert row["final_text"] == alone("qwen", [job._prompt("qwen", row["prompt"], refs)], job.sampling["qwen"])[0]
+
+
+def test_aggregator_starts_while_proposers_still_run(client: Client, models: dict[str, Path]) -> None:
+    # half the rows ask only the 2-token model and its quick peers; the others also a 96-token one
+    pdf = pd.DataFrame({"prompt": [TEXTS[i % len(TEXTS)] + f" {i}" for i in range(16)],
+                        "experts": [["small", "twin"] if i % 2 else ["llama", "twin"] for i in range(16)]})
+    sampling = {"llama": {"max_tokens": 96}, "twin": {"max_tokens": 2}, "qwen": {"max_tokens": 2},
+                "small": {"max_tokens": 2}}
+    job = make_job(models, client, sampling=sampling, skip_threshold=float("inf"))
+    job.generate(pdf)
+    s = job.stats
+    # the aggregator's first row went out before the last proposer answer came back:
+    # its first submission = (its last output - aggregator_stage_s) <= total_s - aggregator_stage_s
+    assert s.rows_aggregated == 16
+    assert s.total_s - s.aggregator_stage_s < s.expert_stage_s, s
+
+
 def test_worker_killed_mid_job_loses_nothing(client: Client, models: dict[str, Path], alone: Callable) -> None:
     client.wait_for_workers(2, timeout=180)
     pdf = frame(12)
