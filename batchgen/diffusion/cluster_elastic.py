@@ -88,7 +88,7 @@ class Loop:
         "steps": 0, "forwards": 0, "sp_forwards": 0, "migrated_in": 0, "migrated_out": 0, "requests_in": 0,
         "requests_out": 0, "offers": 0,
         "sync_phases": 0, "rounds": 0, "copies_in": 0, "max_degree": 1, "plan_s": 0.0, "sync_s": 0.0,
-        "est_s": 0.0, "first_sp_at": None})
+        "est_s": 0.0, "first_sp_at": None, "forward_s": 0.0, "report_s": 0.0, "idle_s": 0.0, "loop_s": 0.0})
 
     def admit(self) -> int:
         """Admit arrived requests of its list, in order, while it has room (a few per step, so
@@ -142,7 +142,9 @@ class Loop:
             self.engine.step_trajectories(tids, shard)
             if self.stats["first_sp_at"] is None:
                 self.stats["first_sp_at"] = time.time()
-        self.samples.append((self.me, views[0].key, len(ranks), modelled, time.perf_counter() - began))
+        took = time.perf_counter() - began
+        self.stats["forward_s"] += took
+        self.samples.append((self.me, views[0].key, len(ranks), modelled, took))
         del self.samples[:-_RECENT]
         self.stats["forwards"] += 1
         self.stats["sp_forwards"] += shard is not None
@@ -166,6 +168,7 @@ class Loop:
         """Decode the owned trajectories that are done (and admissions that failed) -> the out queue."""
         from .cluster import ImageResult, _png
 
+        began = time.perf_counter()
         index_of = {tid: index for index, tid in self.held.items()}
         results = []
         for o in self.engine.collect():
@@ -179,6 +182,7 @@ class Loop:
                                        o.array if self.keep_arrays else None))
         if results:
             self.out.put(results)  # one round trip for all that finished together
+        self.stats["report_s"] += time.perf_counter() - began
 
     def scale(self) -> tuple[dict[tuple, float], float]:
         return (dict(self.measured.scale), self.measured.overall) if self.options.adapt else ({}, 1.0)
@@ -211,6 +215,7 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
     asked = False              # registered on `steal`, not yet answered
     declined: frozenset | None = None  # the owned set at which no thief could be helped
     looked = 0.0               # when this worker last looked at a queue (at most every POLL_S while busy)
+    began = time.perf_counter()
     while True:
         admitted = w.admit()
         if admitted:
@@ -218,7 +223,9 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
         now = time.time()
         if asked and (not w.held or now - looked >= POLL_S):
             looked = now
+            idle = time.perf_counter()
             msg = _get(inbox, 0.0 if w.held else IDLE_S, poll=0.025)
+            w.stats["idle_s"] += time.perf_counter() - idle
             if msg is not None:
                 asked = False
                 declined = None
@@ -227,12 +234,12 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
 
                     sync_phase(w, msg[1], msg[2])
                 elif msg[0] == "reqs":
-                    w.pending += msg[1]
+                    w.pending += list(msg[1])
                     w.stats["requests_in"] += len(msg[1])
                 else:
                     _, index, history, data = msg
                     w.held[index] = engine.resume(data, deadline=deadlines[index])
-                    w.history[index] = history
+                    w.history[index] = [tuple(h) for h in history]  # the Queue may make lists tuples
                     w.stats["migrated_in"] += 1
                 continue
         if not w.running():
@@ -244,6 +251,7 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
                 steal.put(me)
                 asked = True
             if done.qsize() > 0:
+                w.stats["loop_s"] = time.perf_counter() - began
                 return w.stats
             continue
         w.step_free()

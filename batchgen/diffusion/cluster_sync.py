@@ -57,7 +57,7 @@ def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:
         if options.adapt:
             measured.update([x for _, _, xs, _, _ in states for x in xs])
         for _, _, _, hs, _ in states:
-            w.history.update(hs)
+            w.history.update({i: list(h) for i, h in hs.items()})
         live = {p.view.tid for p in running}
         for index in [i for i in groups if i not in live]:
             groups.pop(index)  # finished last round (on its owner)

@@ -8,9 +8,9 @@ A worker's remaining time at degree 1 is estimated per latent shape (key), as it
     T = sum over keys: fixed x (most steps left of the key) + sum over its trajectories of
         steps left x (step_time(rows x tokens, tokens) - fixed)
 
-`deal` gives each request, in the policy's priority order, to the worker whose list it
-lengthens least by that estimate, so every worker starts with a similar mix and admits its own
-list in priority order without asking anyone. Handing over the only trajectory of a key that runs longest saves its forwards' fixed cost,
+`deal` gives each request, longest first, to the worker whose list it lengthens least by that
+estimate (list scheduling), so the workers start with lists of similar length; each admits its
+own list in the policy's priority order without asking anyone. Handing over the only trajectory of a key that runs longest saves its forwards' fixed cost,
 and handing over one of many short ones saves little. `handover` takes trajectories, most
 remaining work first, while that cuts max(owner's T, thief's T) by more than `gain` of it.
 When nothing is worth handing over, `spread_plan` asks plan.plan_round whether a round over
@@ -44,10 +44,12 @@ def worker_time(views: Sequence[TrajView], cost: CostModel, scale: dict[tuple, f
 def deal(views: Sequence[TrajView], ranks: Sequence[int], policy: str, now: float, cost: CostModel
          ) -> dict[int, list[int]]:
     """rank -> tids of `views` (not yet admitted), each list in priority order (module docstring)."""
+    order = {v.tid: n for n, v in enumerate(priority(views, policy, now, cost))}
     lists: dict[int, list[int]] = {r: [] for r in ranks}
     total = {r: 0.0 for r in ranks}
     longest: dict[tuple, int] = {}  # (rank, key) -> most steps of that key on the rank
-    for v in priority(views, policy, now, cost):
+    # longest first (list scheduling's LPT rule), then each list back in priority order
+    for v in sorted(views, key=lambda v: (-worker_time([v], cost), order[v.tid])):
         marginal = v.remaining * (cost.step_time(v.rows * v.tokens, v.tokens) - cost.fixed)
 
         def grown(r: int) -> float:
@@ -56,7 +58,7 @@ def deal(views: Sequence[TrajView], ranks: Sequence[int], policy: str, now: floa
         total[r] = grown(r)
         longest[(r, v.key)] = max(longest.get((r, v.key), 0), v.remaining)
         lists[r].append(v.tid)
-    return lists
+    return {r: sorted(tids, key=order.__getitem__) for r, tids in lists.items()}
 
 
 def handover(views: Sequence[TrajView], cost: CostModel, gain: float = 0.05, scale: dict[tuple, float] | None = None,
