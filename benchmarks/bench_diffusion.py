@@ -2,20 +2,27 @@
 
 Tiny random DiT pipeline (diffusers-built), small (16x16 px: 16 tokens) and large (48x48 px:
 144 tokens) images, 10-50 steps each, arrival order shuffled, all submitted at t = 0.
+80 requests by default: with 8 in flight per worker, 40 are 2.5 static batches per worker and the
+draw of the job decides much of the ratio (the calibrated cost model's estimate of static /
+batchgen makespan over seeds 0-9: 1.38-1.95 at 40 requests, 1.43-1.62 at 80; this job, seed 0,
+is the lowest of the ten at 40 (1.38) and 1.58 at 80, median 1.54).
 
   static    requests cut into batches of --static-batch in arrival order, batches dealt
             round-robin to the workers and fixed there. A batch runs as a request-level batcher
             (one diffusers pipeline call per size and guidance mode) would: every row stays in
             the forward until its sub-batch's longest trajectory ends, and each request's
-            latency is its batch's end. Real forwards and VAE decodes of those shapes.
-  batchgen  run_on_cluster, elastic (the default): every step boundary the workers share their
-            trajectories and run the pure plan.plan_round on the calibrated cost model: requests
-            join between steps (--policy orders them) onto the worker whose round they lengthen
-            least, finished ones leave at once, trajectories migrate to balance the round, and a
-            trajectory runs at degree 2 (Ulysses over both workers) where the cost model says that
-            shortens the round; the degree changes between steps as the queue changes.
-  free      (--systems ... free) run_on_cluster(elastic=False): free-running degree-1 loops over
-            distributed Queues with work stealing (the previous runtime), for comparison.
+            latency is its batch's end. Real forwards and VAE decodes of those shapes. The batch
+            size defaults to --max-running, batchgen's trajectories in flight per worker: the
+            same capacity per worker for both (a smaller static batch would run more, smaller
+            forwards and flatter batchgen; a larger one would hold more in flight than batchgen may).
+  batchgen  run_on_cluster as it runs by default (elastic): requests dealt to the workers by
+            the calibrated cost model, each worker running free (requests join between steps in
+            --policy order, finished ones leave at once, one forward per latent shape and step),
+            an idle worker handed queued requests or trajectories (suspended and resumed at a
+            step boundary), and two workers entering lockstep rounds at degree 2 (Ulysses) only
+            where the cost model says a trajectory runs faster spread than alone.
+  free      (--systems ... free) run_on_cluster(elastic=False): the same loops at degree 1
+            only, with no gloo world, for comparison.
 
 The cost model is calibrated on the cluster's workers first (calibrate_cluster: degree 1 on one
 worker, degree 2 across both), and the benchmark prints what it predicts per size and degree,
@@ -25,7 +32,7 @@ Reports makespan, mean latency and the share of requests over their deadline (de
 + --slo x the request's own standalone time, from the calibrated cost model), as ratios of the
 two systems measured in the same run (best of --repeats, interleaved).
 
-    python benchmarks/bench_diffusion.py --systems static batchgen free --repeats 3   # ~5 minutes, 2 shared cores
+    python benchmarks/bench_diffusion.py --systems static batchgen free --repeats 3   # ~2 minutes on 2 quiet cores
     python benchmarks/bench_diffusion.py --requests 16 --repeats 1   # smoke run
 """
 from __future__ import annotations
@@ -115,7 +122,11 @@ def run_batchgen(client: Any, model: str, reqs: list[Any], policy: str, deadline
     stats: list = []
     res = run_on_cluster(client, model, reqs, policy=policy, deadlines=abs_deadlines, cost=cost,
                          max_running=max_running, elastic=elastic, stats=stats)
-    print(f"    loops: {stats}", file=sys.stderr)
+    keys = ("steps", "forwards", "forward_s", "requests_in", "migrated_in", "offers", "sync_phases", "rounds",
+            "sp_forwards", "sync_s", "idle_s")
+    for s in stats:
+        print("    loop: " + ", ".join(f"{k} {s[k]:.2f}" if isinstance(s[k], float) else f"{k} {s[k]}" for k in keys),
+              file=sys.stderr)
     assert all(r.error is None for r in res), [r.error for r in res if r.error]
     lat = [r.finished_at - start for r in res]
     return max(lat), lat, sum(r.migrated for r in res), sum(d > 1 for r in res for d in r.degrees)
@@ -123,14 +134,15 @@ def run_batchgen(client: Any, model: str, reqs: list[Any], policy: str, deadline
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--static-batch", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--static-batch", type=int, default=None, help="default: --max-running (same capacity)")
     ap.add_argument("--max-running", type=int, default=8)
     ap.add_argument("--policy", default="srwf", choices=("fcfs", "srwf", "deadline"))
     ap.add_argument("--slo", type=float, default=4.0, help="deadline = SLO x standalone time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", nargs="+", default=["static", "batchgen"], choices=("static", "batchgen", "free"))
     args = ap.parse_args()
+    args.static_batch = args.static_batch or args.max_running
     load_start = os.getloadavg()[0]
 
     import tiny_diffusion as tiny

@@ -41,7 +41,8 @@ from .request import ImageRequest
 _RECENT = 32   # forward samples a worker keeps for the cost model's correction
 POLL_S = 0.02  # a busy worker looks at the steal queue / its inbox at most this often (each look
                # is a round trip to the scheduler)
-IDLE_S = 0.05  # an idle worker's wait on its inbox per look
+IDLE_S = 0.025 # an idle worker's pause between looks at its inbox
+DONE_S = 0.1   # ... and between asking whether the job is done
 
 
 def request_view(pipe: Any, index: int, req: ImageRequest, arrival: float, deadline: float | None) -> TrajView:
@@ -216,6 +217,7 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
     declined: frozenset | None = None  # the owned set at which no thief could be helped
     looked = 0.0               # when this worker last looked at a queue (at most every POLL_S while busy)
     began = time.perf_counter()
+    checked = 0.0              # when an idle worker last asked whether the job is done
     while True:
         admitted = w.admit()
         if admitted:
@@ -223,10 +225,11 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
         now = time.time()
         if asked and (not w.held or now - looked >= POLL_S):
             looked = now
-            idle = time.perf_counter()
-            msg = _get(inbox, 0.0 if w.held else IDLE_S, poll=0.025)
-            w.stats["idle_s"] += time.perf_counter() - idle
-            if msg is not None:
+            msgs = inbox.get(batch=True)  # one round trip, nothing waits in the scheduler
+            if not msgs and not w.held:
+                time.sleep(IDLE_S)
+                w.stats["idle_s"] += IDLE_S
+            for msg in msgs:
                 asked = False
                 declined = None
                 if msg[0] == "sync":
@@ -241,6 +244,7 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
                     w.held[index] = engine.resume(data, deadline=deadlines[index])
                     w.history[index] = [tuple(h) for h in history]  # the Queue may make lists tuples
                     w.stats["migrated_in"] += 1
+            if msgs:
                 continue
         if not w.running():
             w.report()
@@ -250,9 +254,11 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
             if not asked and not w.held:
                 steal.put(me)
                 asked = True
-            if done.qsize() > 0:
-                w.stats["loop_s"] = time.perf_counter() - began
-                return w.stats
+            if time.time() - checked >= DONE_S:
+                checked = time.time()
+                if done.qsize() > 0:
+                    w.stats["loop_s"] = time.perf_counter() - began
+                    return w.stats
             continue
         w.step_free()
         w.report()
