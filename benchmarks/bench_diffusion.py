@@ -99,8 +99,14 @@ def make_job(n: int, seed: int) -> list[Any]:
     return reqs
 
 
-def run_static(client: Any, model: str, reqs: list[Any], batch: int) -> tuple[float, list[float]]:
+def _cpu() -> float:
+    return time.process_time()
+
+
+def run_static(client: Any, model: str, reqs: list[Any], batch: int) -> tuple[float, list[float], float]:
+    """-> makespan, latencies, CPU seconds of the worker processes."""
     workers = sorted(client.scheduler_info()["workers"])
+    cpu0 = client.run(_cpu)
     start = time.time()
     futures, members = [], []
     for b, lo in enumerate(range(0, len(reqs), batch)):
@@ -110,11 +116,12 @@ def run_static(client: Any, model: str, reqs: list[Any], batch: int) -> tuple[fl
         members.append(len(chunk))
     ends = client.gather(futures)
     finish = [end for end, k in zip(ends, members) for _ in range(k)]
-    return max(finish) - start, [f - start for f in finish]
+    cpu1 = client.run(_cpu)
+    return max(finish) - start, [f - start for f in finish], sum(cpu1[w] - cpu0[w] for w in cpu0)
 
 
 def run_batchgen(client: Any, model: str, reqs: list[Any], policy: str, deadlines: list[float], cost: Any,
-                 max_running: int, elastic: bool) -> tuple[float, list[float], int, int]:
+                 max_running: int, elastic: bool) -> tuple[float, list[float], int, int, float]:
     from batchgen.diffusion.cluster import run_on_cluster
 
     start = time.time()
@@ -129,7 +136,8 @@ def run_batchgen(client: Any, model: str, reqs: list[Any], policy: str, deadline
               file=sys.stderr)
     assert all(r.error is None for r in res), [r.error for r in res if r.error]
     lat = [r.finished_at - start for r in res]
-    return max(lat), lat, sum(r.migrated for r in res), sum(d > 1 for r in res for d in r.degrees)
+    return (max(lat), lat, sum(r.migrated for r in res), sum(d > 1 for r in res for d in r.degrees),
+            sum(s["cpu_s"] for s in stats))
 
 
 def main() -> int:
@@ -172,13 +180,14 @@ def main() -> int:
             alone = remaining_work(TrajView(0, (), n, 2 if r.uses_guidance else 1, r.num_inference_steps, 0.0), cost)
             deadlines.append(args.slo * alone)
         best: dict[str, tuple] = {}
+        cpus: dict[str, list[float]] = {}  # worker processes' CPU seconds per run: robust to other load
         for rep in range(args.repeats):
             for name in args.systems if rep % 2 == 0 else args.systems[::-1]:
                 if name == "static":
-                    mk, lat = run_static(client, model, reqs, args.static_batch)
+                    mk, lat, cpu = run_static(client, model, reqs, args.static_batch)
                     moved = spread = 0
                 else:
-                    mk, lat, moved, spread = run_batchgen(client, model, reqs, args.policy, deadlines, cost,
+                    mk, lat, moved, spread, cpu = run_batchgen(client, model, reqs, args.policy, deadlines, cost,
                                                           args.max_running, elastic=name == "batchgen")
                 over = sum(l > d for l, d in zip(lat, deadlines)) / len(lat)
                 # the same latencies against looser SLOs (the cost model, fitted by best-of timings,
@@ -186,9 +195,10 @@ def main() -> int:
                 looser = {k: sum(l > d * k / args.slo for l, d in zip(lat, deadlines)) / len(lat) for k in (8, 16, 32)}
                 print(f"  run {rep} {name:8s}: makespan {mk:7.2f} s, mean latency {sum(lat) / len(lat):7.2f} s, "
                       f"over deadline {over:5.1%} (SLO 8x/16x/32x: " + "/".join(f"{v:.0%}" for v in looser.values())
-                      + f"), migrated {moved}, steps at degree 2: {spread}", file=sys.stderr)
+                      + f"), migrated {moved}, steps at degree 2: {spread}, worker CPU {cpu:.2f} s", file=sys.stderr)
                 if name not in best or mk < best[name][0]:
                     best[name] = (mk, sum(lat) / len(lat), over, moved, spread, looser)
+                cpus.setdefault(name, []).append(cpu)
     print(f"requests {args.requests} (sizes 16/48 px, 10-50 steps, CFG mixed), policy {args.policy}, "
           f"static batch {args.static_batch}, best of {args.repeats}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     s = best.get("static")
@@ -200,7 +210,8 @@ def main() -> int:
               f"{1 - b[1] / s[1]:+.0%} lower (target >= 30%); over deadline (SLO {args.slo}x alone) static "
               f"{s[2]:.0%}, {name} {b[2]:.0%} (SLO 8x/16x/32x: static "
               + "/".join(f"{v:.0%}" for v in s[5].values()) + f", {name} " + "/".join(f"{v:.0%}" for v in b[5].values())
-              + f"); migrated {b[3]}, steps at degree 2: {b[4]}")
+              + f"); migrated {b[3]}, steps at degree 2: {b[4]}; worker CPU static / {name} = "
+              f"{min(cpus['static']) / min(cpus[name]):.2f}x (least of each)")
     return 0
 
 

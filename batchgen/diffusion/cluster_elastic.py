@@ -39,7 +39,7 @@ from .policy import TrajView, plan_step
 from .request import ImageRequest
 
 _RECENT = 32   # forward samples a worker keeps for the cost model's correction
-POLL_S = 0.02  # a busy worker looks at the steal queue / its inbox at most this often (each look
+POLL_S = 0.05  # a busy worker looks at the steal queue / its inbox at most this often (each look
                # is a round trip to the scheduler)
 IDLE_S = 0.025 # an idle worker's pause between looks at its inbox
 DONE_S = 0.1   # ... and between asking whether the job is done
@@ -89,7 +89,8 @@ class Loop:
         "steps": 0, "forwards": 0, "sp_forwards": 0, "migrated_in": 0, "migrated_out": 0, "requests_in": 0,
         "requests_out": 0, "offers": 0,
         "sync_phases": 0, "rounds": 0, "copies_in": 0, "max_degree": 1, "plan_s": 0.0, "sync_s": 0.0,
-        "est_s": 0.0, "first_sp_at": None, "forward_s": 0.0, "report_s": 0.0, "idle_s": 0.0, "loop_s": 0.0})
+        "est_s": 0.0, "first_sp_at": None, "forward_s": 0.0, "report_s": 0.0, "idle_s": 0.0, "loop_s": 0.0,
+        "cpu_s": 0.0})
 
     def admit(self) -> int:
         """Admit arrived requests of its list, in order, while it has room (a few per step, so
@@ -216,7 +217,7 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
     asked = False              # registered on `steal`, not yet answered
     declined: frozenset | None = None  # the owned set at which no thief could be helped
     looked = 0.0               # when this worker last looked at a queue (at most every POLL_S while busy)
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     checked = 0.0              # when an idle worker last asked whether the job is done
     while True:
         admitted = w.admit()
@@ -258,6 +259,7 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
                 checked = time.time()
                 if done.qsize() > 0:
                     w.stats["loop_s"] = time.perf_counter() - began
+                    w.stats["cpu_s"] = time.process_time() - cpu  # the whole worker process's
                     return w.stats
             continue
         w.step_free()
