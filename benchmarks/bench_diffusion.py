@@ -165,7 +165,7 @@ def main() -> int:
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                       env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as cluster, Client(cluster) as client:
         client.run(warm, model)
-        cost = calibrate_cluster(client, model, rows=(1, 4, 8), latents=(8, 24), repeats=5)
+        cost = calibrate_cluster(client, model, rows=(1, 4, 8, 12, 16), latents=(8, 24), repeats=5)
         print(f"cost model (these workers): {cost}", file=sys.stderr)
         for n, px in ((16, 16), (144, 48)):
             for rows in (1, 2, 8):

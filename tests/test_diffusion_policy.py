@@ -246,3 +246,22 @@ def test_spread_plan_only_when_a_round_over_both_is_shorter():
     assert spread_plan(1, 0, [_v(4, 20, tokens=64, key=BIG)], 0.0, (1, 2), "fcfs", slow_comm) is None
     # small images: 16 ms alone vs 28 ms spread
     assert spread_plan(1, 0, [_v(4, 20, tokens=16, key=SMALL)], 0.0, (1, 2), "fcfs", SP_COST) is None
+
+
+def test_forwards_past_the_efficient_batch_are_split_and_priced_so():
+    from batchgen.diffusion.calibrate import fit_cap
+    from batchgen.diffusion.policy import split_forward
+
+    capped = CostModel(fixed=1e-3, per_token=1e-5, per_attn=0.0, max_batch_tokens=256)
+    # 5 guided 64-token trajectories = 640 tokens -> 3 forwards, pairs of rows kept together
+    views = [_v(i, 5, tokens=64, rows=2, key=BIG) for i in range(5)]
+    parts = split_forward(views, capped)
+    assert sorted(map(len, parts)) == [1, 2, 2] and sorted(t for p in parts for t in p) == [0, 1, 2, 3, 4]
+    assert plan_step(views, "fcfs", 0.0, capped) == parts
+    assert capped.step_time(640, 64) == pytest.approx(3 * capped.step_time(640 / 3, 64))
+    assert split_forward(views, COST) == [[0, 1, 2, 3, 4]] and COST.chunks(10**6) == 1
+    # timed: time per token falls to 12 rows of 144 tokens, then rises by a fifth: cap 12 rows
+    per_token = {1: 34e-6, 4: 18e-6, 8: 15.5e-6, 12: 15.3e-6, 16: 18.5e-6}
+    samples = [(r * 144, 144, r * 144 * s) for r, s in per_token.items()] + [(16, 16, 2.5e-3), (256, 16, 6e-3)]
+    assert fit_cap(samples) == 12 * 144
+    assert fit_cap([x for x in samples if x[0] != 16 * 144]) is None  # nothing timed past the best

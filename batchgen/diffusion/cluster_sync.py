@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from .plan import ClusterState, Measured, Placed, plan_round
+from .policy import split_forward
 
 
 def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:
@@ -106,11 +107,14 @@ def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:
 
         before = w.stats["forwards"]
         for n, fwd in enumerate(plan.forwards):
-            if me in fwd.ranks:
-                shard = None
-                if len(fwd.ranks) > 1:
-                    shard = UlyssesShard(Group.of(fwd.ranks, salt=f"{salt}:{w.stats['rounds']}:{n}"))
-                w.forward(list(fwd.tids), shard, fwd.ranks)
+            if me not in fwd.ranks:
+                continue
+            if len(fwd.ranks) == 1:  # past the cost model's max_batch_tokens: several forwards
+                for part in split_forward([w.view(i) for i in fwd.tids], w.cost):
+                    w.forward(part)
+            else:
+                w.forward(list(fwd.tids), UlyssesShard(Group.of(fwd.ranks, salt=f"{salt}:{w.stats['rounds']}:{n}")),
+                          fwd.ranks)
         fresh = w.stats["forwards"] - before
         for index, g in target.items():
             w.history.setdefault(index, []).append((g[0], len(g)))
