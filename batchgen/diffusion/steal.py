@@ -10,8 +10,10 @@ A worker's remaining time at degree 1 is estimated per latent shape (key), as it
 
 `deal` gives each request, longest first, to the worker whose list it lengthens least by that
 estimate (list scheduling), so the workers start with lists of similar length; each admits its
-own list in the policy's priority order without asking anyone. Handing over the only trajectory of a key that runs longest saves its forwards' fixed cost,
-and handing over one of many short ones saves little. `handover` takes trajectories, most
+own list in the policy's priority order without asking anyone.
+
+Handing over the only trajectory of a key that runs longest saves its forwards' fixed cost;
+handing over one of many short ones saves little. `handover` takes trajectories, most
 remaining work first, while that cuts max(owner's T, thief's T) by more than `gain` of it.
 When nothing is worth handing over, `spread_plan` asks plan.plan_round whether a round over
 owner and thief (degree > 1 for some trajectory) is shorter than the owner's round alone: only
