@@ -215,7 +215,7 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
              keep_arrays, Queue(f"bg-diff-out-{job}"), pending=list(mine), start=start)
     done, steal, inbox = Queue(f"bg-diff-done-{job}"), Queue(f"bg-diff-steal-{job}"), Queue(f"bg-diff-inbox-{job}-{me}")
     asked = False              # registered on `steal`, not yet answered
-    declined: frozenset | None = None  # the owned set at which no thief could be helped
+    declined: tuple | None = None  # (owned set, queued count) at which no thief could be helped
     looked = 0.0               # when this worker last looked at a queue (at most every POLL_S while busy)
     began, cpu = time.perf_counter(), time.process_time()
     checked = 0.0              # when an idle worker last asked whether the job is done
@@ -270,7 +270,7 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
             continue
         looked = now
         thief = _get(steal)
-        if thief is None:
+        if thief is None or thief == me:  # (never itself: only unregistered workers pop)
             continue
         box = Queue(f"bg-diff-inbox-{job}-{thief}")
         if len(w.pending) > 1 or w.pending and w.held:
