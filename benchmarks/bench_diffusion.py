@@ -2,20 +2,27 @@
 
 Tiny random DiT pipeline (diffusers-built), small (16x16 px: 16 tokens) and large (48x48 px:
 144 tokens) images, 10-50 steps each, arrival order shuffled, all submitted at t = 0.
+80 requests by default: with 8 in flight per worker, 40 are 2.5 static batches per worker and the
+draw of the job decides much of the ratio (the calibrated cost model's estimate of static /
+batchgen makespan over seeds 0-9: 1.38-1.95 at 40 requests, 1.43-1.62 at 80; this job, seed 0,
+is the lowest of the ten at 40 (1.38) and 1.58 at 80, median 1.54).
 
   static    requests cut into batches of --static-batch in arrival order, batches dealt
             round-robin to the workers and fixed there. A batch runs as a request-level batcher
             (one diffusers pipeline call per size and guidance mode) would: every row stays in
             the forward until its sub-batch's longest trajectory ends, and each request's
-            latency is its batch's end. Real forwards and VAE decodes of those shapes.
-  batchgen  run_on_cluster, elastic (the default): every step boundary the workers share their
-            trajectories and run the pure plan.plan_round on the calibrated cost model: requests
-            join between steps (--policy orders them) onto the worker whose round they lengthen
-            least, finished ones leave at once, trajectories migrate to balance the round, and a
-            trajectory runs at degree 2 (Ulysses over both workers) where the cost model says that
-            shortens the round; the degree changes between steps as the queue changes.
-  free      (--systems ... free) run_on_cluster(elastic=False): free-running degree-1 loops over
-            distributed Queues with work stealing (the previous runtime), for comparison.
+            latency is its batch's end. Real forwards and VAE decodes of those shapes. The batch
+            size defaults to --max-running, batchgen's trajectories in flight per worker: the
+            same capacity per worker for both (a smaller static batch would run more, smaller
+            forwards and flatter batchgen; a larger one would hold more in flight than batchgen may).
+  batchgen  run_on_cluster as it runs by default (elastic): requests dealt to the workers by
+            the calibrated cost model, each worker running free (requests join between steps in
+            --policy order, finished ones leave at once, one forward per latent shape and step),
+            an idle worker handed queued requests or trajectories (suspended and resumed at a
+            step boundary), and two workers entering lockstep rounds at degree 2 (Ulysses) only
+            where the cost model says a trajectory runs faster spread than alone.
+  free      (--systems ... free) run_on_cluster(elastic=False): the same loops at degree 1
+            only, with no gloo world, for comparison.
 
 The cost model is calibrated on the cluster's workers first (calibrate_cluster: degree 1 on one
 worker, degree 2 across both), and the benchmark prints what it predicts per size and degree,
@@ -25,7 +32,7 @@ Reports makespan, mean latency and the share of requests over their deadline (de
 + --slo x the request's own standalone time, from the calibrated cost model), as ratios of the
 two systems measured in the same run (best of --repeats, interleaved).
 
-    python benchmarks/bench_diffusion.py --systems static batchgen free --repeats 3   # ~5 minutes, 2 shared cores
+    python benchmarks/bench_diffusion.py --systems static batchgen free --repeats 3   # ~2 minutes on 2 quiet cores
     python benchmarks/bench_diffusion.py --requests 16 --repeats 1   # smoke run
 """
 from __future__ import annotations
@@ -92,8 +99,14 @@ def make_job(n: int, seed: int) -> list[Any]:
     return reqs
 
 
-def run_static(client: Any, model: str, reqs: list[Any], batch: int) -> tuple[float, list[float]]:
+def _cpu() -> float:
+    return time.process_time()
+
+
+def run_static(client: Any, model: str, reqs: list[Any], batch: int) -> tuple[float, list[float], float]:
+    """-> makespan, latencies, CPU seconds of the worker processes."""
     workers = sorted(client.scheduler_info()["workers"])
+    cpu0 = client.run(_cpu)
     start = time.time()
     futures, members = [], []
     for b, lo in enumerate(range(0, len(reqs), batch)):
@@ -103,11 +116,12 @@ def run_static(client: Any, model: str, reqs: list[Any], batch: int) -> tuple[fl
         members.append(len(chunk))
     ends = client.gather(futures)
     finish = [end for end, k in zip(ends, members) for _ in range(k)]
-    return max(finish) - start, [f - start for f in finish]
+    cpu1 = client.run(_cpu)
+    return max(finish) - start, [f - start for f in finish], sum(cpu1[w] - cpu0[w] for w in cpu0)
 
 
 def run_batchgen(client: Any, model: str, reqs: list[Any], policy: str, deadlines: list[float], cost: Any,
-                 max_running: int, elastic: bool) -> tuple[float, list[float], int, int]:
+                 max_running: int, elastic: bool) -> tuple[float, list[float], int, int, float]:
     from batchgen.diffusion.cluster import run_on_cluster
 
     start = time.time()
@@ -115,22 +129,28 @@ def run_batchgen(client: Any, model: str, reqs: list[Any], policy: str, deadline
     stats: list = []
     res = run_on_cluster(client, model, reqs, policy=policy, deadlines=abs_deadlines, cost=cost,
                          max_running=max_running, elastic=elastic, stats=stats)
-    print(f"    loops: {stats}", file=sys.stderr)
+    keys = ("steps", "forwards", "forward_s", "requests_in", "migrated_in", "offers", "sync_phases", "rounds",
+            "sp_forwards", "sync_s", "idle_s")
+    for s in stats:
+        print("    loop: " + ", ".join(f"{k} {s[k]:.2f}" if isinstance(s[k], float) else f"{k} {s[k]}" for k in keys),
+              file=sys.stderr)
     assert all(r.error is None for r in res), [r.error for r in res if r.error]
     lat = [r.finished_at - start for r in res]
-    return max(lat), lat, sum(r.migrated for r in res), sum(d > 1 for r in res for d in r.degrees)
+    return (max(lat), lat, sum(r.migrated for r in res), sum(d > 1 for r in res for d in r.degrees),
+            sum(s["cpu_s"] for s in stats))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--static-batch", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--static-batch", type=int, default=None, help="default: --max-running (same capacity)")
     ap.add_argument("--max-running", type=int, default=8)
     ap.add_argument("--policy", default="srwf", choices=("fcfs", "srwf", "deadline"))
     ap.add_argument("--slo", type=float, default=4.0, help="deadline = SLO x standalone time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", nargs="+", default=["static", "batchgen"], choices=("static", "batchgen", "free"))
     args = ap.parse_args()
+    args.static_batch = args.static_batch or args.max_running
     load_start = os.getloadavg()[0]
 
     import tiny_diffusion as tiny
@@ -145,7 +165,7 @@ def main() -> int:
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                       env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as cluster, Client(cluster) as client:
         client.run(warm, model)
-        cost = calibrate_cluster(client, model, rows=(1, 4, 8), latents=(8, 24), repeats=5)
+        cost = calibrate_cluster(client, model, rows=(1, 4, 8, 12, 16), latents=(8, 24), repeats=5)
         print(f"cost model (these workers): {cost}", file=sys.stderr)
         for n, px in ((16, 16), (144, 48)):
             for rows in (1, 2, 8):
@@ -160,13 +180,14 @@ def main() -> int:
             alone = remaining_work(TrajView(0, (), n, 2 if r.uses_guidance else 1, r.num_inference_steps, 0.0), cost)
             deadlines.append(args.slo * alone)
         best: dict[str, tuple] = {}
+        cpus: dict[str, list[float]] = {}  # worker processes' CPU seconds per run: robust to other load
         for rep in range(args.repeats):
             for name in args.systems if rep % 2 == 0 else args.systems[::-1]:
                 if name == "static":
-                    mk, lat = run_static(client, model, reqs, args.static_batch)
+                    mk, lat, cpu = run_static(client, model, reqs, args.static_batch)
                     moved = spread = 0
                 else:
-                    mk, lat, moved, spread = run_batchgen(client, model, reqs, args.policy, deadlines, cost,
+                    mk, lat, moved, spread, cpu = run_batchgen(client, model, reqs, args.policy, deadlines, cost,
                                                           args.max_running, elastic=name == "batchgen")
                 over = sum(l > d for l, d in zip(lat, deadlines)) / len(lat)
                 # the same latencies against looser SLOs (the cost model, fitted by best-of timings,
@@ -174,9 +195,10 @@ def main() -> int:
                 looser = {k: sum(l > d * k / args.slo for l, d in zip(lat, deadlines)) / len(lat) for k in (8, 16, 32)}
                 print(f"  run {rep} {name:8s}: makespan {mk:7.2f} s, mean latency {sum(lat) / len(lat):7.2f} s, "
                       f"over deadline {over:5.1%} (SLO 8x/16x/32x: " + "/".join(f"{v:.0%}" for v in looser.values())
-                      + f"), migrated {moved}, steps at degree 2: {spread}", file=sys.stderr)
+                      + f"), migrated {moved}, steps at degree 2: {spread}, worker CPU {cpu:.2f} s", file=sys.stderr)
                 if name not in best or mk < best[name][0]:
                     best[name] = (mk, sum(lat) / len(lat), over, moved, spread, looser)
+                cpus.setdefault(name, []).append(cpu)
     print(f"requests {args.requests} (sizes 16/48 px, 10-50 steps, CFG mixed), policy {args.policy}, "
           f"static batch {args.static_batch}, best of {args.repeats}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     s = best.get("static")
@@ -188,7 +210,8 @@ def main() -> int:
               f"{1 - b[1] / s[1]:+.0%} lower (target >= 30%); over deadline (SLO {args.slo}x alone) static "
               f"{s[2]:.0%}, {name} {b[2]:.0%} (SLO 8x/16x/32x: static "
               + "/".join(f"{v:.0%}" for v in s[5].values()) + f", {name} " + "/".join(f"{v:.0%}" for v in b[5].values())
-              + f"); migrated {b[3]}, steps at degree 2: {b[4]}")
+              + f"); migrated {b[3]}, steps at degree 2: {b[4]}; worker CPU static / {name} = "
+              f"{min(cpus['static']) / min(cpus[name]):.2f}x (least of each)")
     return 0
 
 

@@ -17,7 +17,8 @@ def _v(tid, remaining, tokens=16, rows=1, arrival=0.0, deadline=None, key=None):
 
 
 def test_policy_modules_import_no_torch():
-    code = "import sys; import batchgen.diffusion.policy, batchgen.diffusion.cost; assert 'torch' not in sys.modules"
+    code = ("import sys; import batchgen.diffusion.policy, batchgen.diffusion.cost, batchgen.diffusion.plan, "
+            "batchgen.diffusion.steal; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -195,3 +196,72 @@ def test_measured_ratios_correct_the_cost_model_in_the_plan():
     from dataclasses import replace
     slow1 = plan_round(replace(state, speed={0: 1.0, 1: 3.0}), "fcfs", SP_COST)
     assert sorted(g[0] for g in slow1.groups.values()) == [0, 0, 0, 1]
+
+
+# ---- steal.py: dealing, handing over, whether a synchronised group pays (pure) -----------------
+def test_deal_balances_the_estimate_and_keeps_priority_order():
+    from batchgen.diffusion.steal import deal, worker_time
+
+    views = [_v(i, steps, tokens=tok, key=key) for i, (steps, tok, key) in
+             enumerate([(40, 64, BIG), (10, 16, SMALL), (30, 64, BIG), (20, 16, SMALL), (5, 16, SMALL)])]
+    lists = deal(views, [0, 1], "srwf", 0.0, SP_COST)
+    assert sorted(lists[0] + lists[1]) == [0, 1, 2, 3, 4]
+    rank = {v.tid: i for i, v in enumerate(priority(views, "srwf", 0.0, SP_COST))}
+    for tids in lists.values():
+        assert [rank[t] for t in tids] == sorted(rank[t] for t in tids)  # each list in srwf order
+    # 1 ms per token-step: 2560 + 1920 of large, 160 + 320 + 80 of small; no split beats this one's 2.56 / 2.48 s
+    t = [worker_time([views[i] for i in lists[r]], SP_COST) for r in (0, 1)]
+    assert max(t) == pytest.approx(2.56)
+    # a forward's fixed cost is paid once per shape and step: same-shape work packs together
+    fixed = CostModel(fixed=0.01, per_token=0.0, per_attn=0.0)
+    assert worker_time([_v(0, 10), _v(1, 4)], fixed) == pytest.approx(0.1)
+    packed = deal([_v(0, 10, key=BIG), _v(1, 10, key=SMALL), _v(2, 8, key=BIG), _v(3, 8, key=SMALL)], [0, 1],
+                  "fcfs", 0.0, fixed)
+    assert sorted(map(sorted, packed.values())) == [[0, 2], [1, 3]]
+
+
+def test_handover_moves_what_shortens_the_longer_worker():
+    from batchgen.diffusion.steal import handover
+
+    # two large ones of 30 steps on one worker: one moves; a third with one step left stays
+    assert handover([_v(0, 30, tokens=64), _v(1, 30, tokens=64), _v(2, 0, tokens=64)], SP_COST) == (0,)
+    # one trajectory alone: moving it saves nothing
+    assert handover([_v(0, 30, tokens=64)], SP_COST) == ()
+    # the long one of four goes, the short ones stay (1.92 s vs 3 x 0.16 s)
+    assert handover([_v(0, 30, tokens=64), _v(1, 10), _v(2, 10), _v(3, 10)], SP_COST) == (0,)
+    # under a cost of fixed time per forward, moving one of a shape saves only its extra steps
+    fixed = CostModel(fixed=0.01, per_token=0.0, per_attn=0.0)
+    assert handover([_v(0, 30), _v(1, 29)], fixed) == ()
+    assert handover([_v(0, 30), _v(1, 10, key=BIG)], fixed) == (0,)
+
+
+def test_spread_plan_only_when_a_round_over_both_is_shorter():
+    from batchgen.diffusion.steal import spread_plan
+
+    plan = spread_plan(1, 0, [_v(4, 20, tokens=64, key=BIG)], 0.0, (1, 2), "fcfs", SP_COST)
+    assert plan is not None and plan.groups == {4: (1, 0)} or plan.groups == {4: (0, 1)}
+    assert spread_plan(1, 0, [_v(4, 20, tokens=64, key=BIG)], 0.0, (1,), "fcfs", SP_COST) is None  # heads: 1 only
+    assert spread_plan(1, 0, [_v(4, 1, tokens=64, key=BIG)], 0.0, (1, 2), "fcfs", SP_COST) is None  # one step left
+    slow_comm = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=2e-3, comm_fixed=0.0)
+    assert spread_plan(1, 0, [_v(4, 20, tokens=64, key=BIG)], 0.0, (1, 2), "fcfs", slow_comm) is None
+    # small images: 16 ms alone vs 28 ms spread
+    assert spread_plan(1, 0, [_v(4, 20, tokens=16, key=SMALL)], 0.0, (1, 2), "fcfs", SP_COST) is None
+
+
+def test_forwards_past_the_efficient_batch_are_split_and_priced_so():
+    from batchgen.diffusion.calibrate import fit_cap
+    from batchgen.diffusion.policy import split_forward
+
+    capped = CostModel(fixed=1e-3, per_token=1e-5, per_attn=0.0, max_batch_tokens=256)
+    # 5 guided 64-token trajectories = 640 tokens -> 3 forwards, pairs of rows kept together
+    views = [_v(i, 5, tokens=64, rows=2, key=BIG) for i in range(5)]
+    parts = split_forward(views, capped)
+    assert sorted(map(len, parts)) == [1, 2, 2] and sorted(t for p in parts for t in p) == [0, 1, 2, 3, 4]
+    assert plan_step(views, "fcfs", 0.0, capped) == parts
+    assert capped.step_time(640, 64) == pytest.approx(3 * capped.step_time(640 / 3, 64))
+    assert split_forward(views, COST) == [[0, 1, 2, 3, 4]] and COST.chunks(10**6) == 1
+    # timed: time per token falls to 12 rows of 144 tokens, then rises by a fifth: cap 12 rows
+    per_token = {1: 34e-6, 4: 18e-6, 8: 15.5e-6, 12: 15.3e-6, 16: 18.5e-6}
+    samples = [(r * 144, 144, r * 144 * s) for r, s in per_token.items()] + [(16, 16, 2.5e-3), (256, 16, 6e-3)]
+    assert fit_cap(samples) == 12 * 144
+    assert fit_cap([x for x in samples if x[0] != 16 * 144]) is None  # nothing timed past the best

@@ -3,7 +3,9 @@
     python -m batchgen.diffusion.calibrate PIPELINE_DIR [--workers 2] [--out cost.json]
 
 Times predict() for rows x image sizes (best of 3 each) and fits fixed, per_token and per_attn
-by non-negative least squares (degree 1). With workers (`calibrate_cluster`, or --workers N: a
+by non-negative least squares (degree 1), on the batches up to the largest one that still runs
+at about the best time per token (fit_cap: the cost model's max_batch_tokens, where a larger
+batch timed runs slower per token). With workers (`calibrate_cluster`, or --workers N: a
 LocalCluster of N one-thread processes), degree 1 is timed on one Dask worker and degree d on d
 workers at once (Ulysses over the group-free collectives); what a degree-d forward takes beyond
 the degree-1 compute split d ways is fitted as comm_fixed (per forward) + per_comm_token (per
@@ -77,6 +79,22 @@ def fit(samples: Sequence[tuple[int, int, float]], base: CostModel | None = None
     return replace(base or CostModel(), fixed=float(best[0]), per_token=float(best[1]), per_attn=float(best[2]))
 
 
+def fit_cap(samples: Sequence[tuple[int, int, float]], slack: float = 0.15) -> int | None:
+    """samples: (batch tokens, tokens per image, seconds) at degree 1 -> the most batch tokens a
+    forward runs efficiently, or None. Read at the largest image size timed (the biggest
+    batches): the largest batch whose time per token is within `slack` of that size's best,
+    provided some larger batch timed is worse than that (else nothing says a limit exists)."""
+    if not samples:
+        return None
+    n = max(n for _, n, _ in samples)
+    pts = sorted((bt, s / bt) for bt, m, s in samples if m == n and bt > 0)
+    best = min(per for _, per in pts)
+    ok = [bt for bt, per in pts if per <= best * (1 + slack)]
+    if not any(bt > max(ok) and per > best * (1 + slack) for bt, per in pts):
+        return None
+    return max(ok)
+
+
 def fit_comm(samples: Sequence[tuple[int, int, int, float]], base: CostModel) -> CostModel:
     """samples: (batch tokens, tokens per image, degree > 1, seconds) -> `base` with comm_fixed and
     per_comm_token fitted to what each forward took beyond base's degree-1 terms split d ways."""
@@ -88,14 +106,15 @@ def fit_comm(samples: Sequence[tuple[int, int, int, float]], base: CostModel) ->
     return replace(base, comm_fixed=float(best[0]), per_comm_token=float(best[1]))
 
 
-def calibrate(pipe, rows: Sequence[int] = (1, 2, 4, 8), latents: Sequence[int] = (8, 16, 32)) -> CostModel:  # noqa: ANN001
+def calibrate(pipe, rows: Sequence[int] = (1, 2, 4, 8, 16), latents: Sequence[int] = (8, 16, 32)) -> CostModel:  # noqa: ANN001
     p = pipe.patch_size
     samples = []
     for r in rows:
         for lat in latents:
             n = (lat // p) ** 2
             samples.append((r * n, n, time_forward(pipe, r, lat)))
-    return fit(samples)
+    cap = fit_cap(samples)
+    return replace(fit([x for x in samples if cap is None or x[0] <= cap]), max_batch_tokens=cap)
 
 
 def _time_on_worker(model: str, engine_options: dict, ranks: tuple[int, ...], rows: int, latent: int,
@@ -110,7 +129,7 @@ def _time_on_worker(model: str, engine_options: dict, ranks: tuple[int, ...], ro
     return time_forward(pipe, rows, latent, 1, sp, warm)
 
 
-def calibrate_cluster(client, model: str, rows: Sequence[int] = (1, 4), latents: Sequence[int] = (8, 16, 24),  # noqa: ANN001
+def calibrate_cluster(client, model: str, rows: Sequence[int] = (1, 4, 8, 16), latents: Sequence[int] = (8, 16, 24),  # noqa: ANN001
                       degrees: Sequence[int] | None = None, repeats: int = 3,
                       engine_options: dict | None = None) -> CostModel:
     """The whole CostModel measured on the Dask workers of `client` (see the module docstring);
@@ -140,7 +159,11 @@ def calibrate_cluster(client, model: str, rows: Sequence[int] = (1, 4), latents:
             best[(r, lat, d)] = min(seconds, best.get((r, lat, d), float("inf")))
     ones = [(r * (lat // p) ** 2, (lat // p) ** 2, s) for (r, lat, d), s in best.items() if d == 1]
     more = [(r * (lat // p) ** 2, (lat // p) ** 2, d, s) for (r, lat, d), s in best.items() if d > 1]
-    cost = fit_comm(more, fit(ones))
+    cap = fit_cap(ones)
+    if cap is not None:  # the linear terms from the batches that run at the efficient rate
+        ones = [x for x in ones if x[0] <= cap]
+        more = [x for x in more if x[0] <= cap * x[2]]
+    cost = replace(fit_comm(more, fit(ones)), max_batch_tokens=cap)
     shown = ", ".join(f"{bt}x{n}@{d}:{s * 1e3:.1f}ms" for bt, n, d, s in more)
     return replace(cost, source=f"calibrate_cluster on {len(by_rank)} workers, {Path(model).name}; degree > 1: {shown}")
 

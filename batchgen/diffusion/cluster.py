@@ -1,12 +1,15 @@
-"""Trajectories across Dask workers: one engine loop per worker, step-level combining, migration.
+"""Trajectories across Dask workers: one engine loop per worker, step-level combining, migration,
+elastic degree.
 
-    results = run_on_cluster(client, "path/to/pipeline", requests, policy="srwf")
+    results = run_on_cluster(client, "path/to/pipeline", requests, policy="srwf", cost=cost)
 
-The driver orders the requests with the job's policy (policy.priority) and puts them on a
-distributed Queue; each worker's loop admits requests between steps while it has room, so new
-work joins running batches. A worker that runs dry asks for work (the `steal` queue); a busy one
-suspends its trajectory with the most remaining work at the next step boundary and hands the
-bytes over (its `migrate-<worker>` queue); the thief resumes it exactly (Trajectory state).
+The driver deals the requests out (steal.deal: the policy's order, each to the worker whose list
+it lengthens least by the cost model); every worker runs one loop (cluster_elastic.py) that
+admits its own list between steps while it has room (and once each request has arrived), so new
+work joins running batches, and runs free at degree 1. A worker that runs dry registers as a
+thief; a busy one hands it queued requests or trajectories (suspended at a step boundary,
+resumed exactly) or, where the pure plan says a trajectory runs faster spread over both, the
+two run lockstep rounds at degree > 1 (cluster_sync.py) until it no longer does.
 Results come back as PNG bytes with their finish time.
 """
 from __future__ import annotations
@@ -20,8 +23,9 @@ from typing import Any
 
 from .cost import CostModel
 from .plan import ElasticOptions
-from .policy import TrajView, check_policy, priority
+from .policy import check_policy
 from .request import ImageRequest
+from .steal import deal
 
 
 @dataclass(slots=True)
@@ -38,42 +42,52 @@ class ImageResult:
 
 def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *, policy: str = "srwf",
                    max_running: int = 8, admit_per_step: int = 2, deadlines: Sequence[float | None] | None = None,
-                   migrate: bool = True, cost: CostModel | None = None, engine_options: dict | None = None,
+                   cost: CostModel | None = None, engine_options: dict | None = None,
                    elastic: bool | ElasticOptions = True, arrivals: Sequence[float] | None = None,
                    keep_arrays: bool = False, stats: list | None = None) -> list[ImageResult]:
     """Run `requests` on every worker of `client`; -> results in input order.
 
-    elastic (default): the workers join one gloo world (once) and run the elastic loop
-    (cluster_elastic.py): every step boundary, plan.plan_round decides admissions, migrations
-    and each trajectory's sequence-parallel degree from `cost` (calibrate it: calibrate.py);
-    an ElasticOptions sets its knobs (max_running / admit_per_step otherwise). elastic=False:
-    free-running loops at degree 1 over distributed Queues, idle workers stealing (`migrate`).
+    elastic (default): the workers join one gloo world (once, sp_cluster.world_ranks) so that
+    two of them can run a trajectory at degree 2 when `cost` (calibrate it: calibrate.py) says
+    that pays; an ElasticOptions sets the knobs (max_running / admit_per_step otherwise).
+    elastic=False: degree 1 only, no world (migration to idle workers still).
     arrivals: seconds after the start before each request may be admitted (default all at 0).
-    stats: a list to extend with each worker loop's counters (rounds, forwards, seconds in sync...)."""
-    check_policy(policy)
-    if elastic is not False:
-        return _run_elastic(client, model, requests, policy, deadlines, arrivals, cost or CostModel(),
-                            elastic if isinstance(elastic, ElasticOptions)
-                            else ElasticOptions(max_running=max_running, admit_per_round=admit_per_step),
-                            engine_options or {}, keep_arrays, stats)
-    if arrivals is not None:
-        raise ValueError("arrivals need the elastic loop (elastic=True)")
+    stats: a list to extend with each worker loop's counters (steps, forwards, migrations,
+    sync phases and their rounds, seconds in their exchanges...)."""
     from distributed import Queue
 
-    job = uuid.uuid4().hex[:8]
-    workers = sorted(client.scheduler_info()["workers"])
+    from .cluster_elastic import elastic_loop
+
+    check_policy(policy)
+    n = len(requests)
+    if arrivals is not None and len(arrivals) != n or deadlines is not None and len(deadlines) != n:
+        raise ValueError(f"arrivals and deadlines need one entry per request ({n})")
+    if isinstance(elastic, ElasticOptions):
+        options = elastic
+    else:
+        options = ElasticOptions(max_running=max_running, admit_per_round=admit_per_step,
+                                 max_degree=None if elastic else 1)
+    world = options.max_degree != 1
+    if world:
+        from .sp_cluster import world_ranks
+
+        ranks = world_ranks(client)
+    else:
+        ranks = {w: i for i, w in enumerate(sorted(client.scheduler_info()["workers"]))}
     cost = cost or CostModel()
-    now = time.time()
-    views = [TrajView(i, (), _tokens(r), 2 if r.uses_guidance else 1, r.num_inference_steps, float(i),
-                      None if deadlines is None else deadlines[i]) for i, r in enumerate(requests)]
-    todo = Queue(f"bg-diff-req-{job}")
-    for v in priority(views, policy, now, cost):
-        todo.put((v.tid, requests[v.tid], None if deadlines is None else deadlines[v.tid]))
-    loops = [client.submit(worker_loop, model, job, w, policy, max_running, admit_per_step, migrate, cost,
-                           engine_options or {},
-                           workers=[w], allow_other_workers=False, pure=False, key=f"bg-diff-loop-{job}-{i}")
-             for i, w in enumerate(workers)]
-    results = _collect(job, len(requests), loops)
+    engine_options = engine_options or {}
+    requests, deadlines, arrivals = list(requests), list(deadlines or [None] * n), list(arrivals or [0.0] * n)
+    job = uuid.uuid4().hex[:8]
+    by_rank = sorted(ranks, key=ranks.get)
+    views = client.submit(_views, model, engine_options, requests, arrivals, deadlines, workers=[by_rank[0]],
+                          pure=False).result()
+    start = time.time()
+    lists = deal(views, [ranks[w] for w in by_rank], policy, start, cost)
+    loops = [client.submit(elastic_loop, model, job, ranks[w], world, lists[ranks[w]], requests, deadlines, arrivals,
+                           start, policy, options, cost, engine_options, keep_arrays, len(ranks), workers=[w],
+                           allow_other_workers=False, pure=False, key=f"bg-diff-loop-{job}-{ranks[w]}")
+             for w in by_rank]
+    results = _collect(job, n, loops)
     Queue(f"bg-diff-done-{job}").put(True)
     got = client.gather(loops)
     if stats is not None:
@@ -81,114 +95,41 @@ def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *,
     return results
 
 
-def _run_elastic(client: Any, model: str, requests: Sequence[ImageRequest], policy: str,
-                 deadlines: Sequence[float | None] | None, arrivals: Sequence[float] | None, cost: CostModel,
-                 options: ElasticOptions, engine_options: dict, keep_arrays: bool, stats: list | None
-                 ) -> list[ImageResult]:
-    from .cluster_elastic import elastic_loop
-    from .sp_cluster import world_ranks
+def _views(model: str, engine_options: dict, requests: list[ImageRequest], arrivals: list[float],
+           deadlines: list[float | None]) -> list[Any]:
+    """The policy's views of the requests (on a worker: it has the pipeline's geometry)."""
+    from .cluster_elastic import request_view
+    from .frame import _engine
 
-    n = len(requests)
-    if arrivals is not None and len(arrivals) != n or deadlines is not None and len(deadlines) != n:
-        raise ValueError(f"arrivals and deadlines need one entry per request ({n})")
-    job = uuid.uuid4().hex[:8]
-    ranks = world_ranks(client)
-    world = tuple(sorted(ranks.values()))
-    requests = list(requests)
-    loops = [client.submit(elastic_loop, model, job, world, requests, list(deadlines or [None] * n),
-                           list(arrivals or [0.0] * n), policy, options, cost, engine_options, keep_arrays,
-                           workers=[w], allow_other_workers=False, pure=False, key=f"bg-diff-elastic-{job}-{r}")
-             for w, r in sorted(ranks.items(), key=lambda kv: kv[1])]
-    results = _collect(job, n, loops)
-    got = client.gather(loops)
-    if stats is not None:
-        stats.extend(got)
-    return results
+    pipe = _engine(model, engine_options).pipe
+    return [request_view(pipe, i, r, a, d) for i, (r, a, d) in enumerate(zip(requests, arrivals, deadlines))]
 
 
-def _collect(job: str, n: int, loops: list[Any] | None = None) -> list[ImageResult]:
-    """The job's n results off its output Queue, in input order (a failed loop raises)."""
+def _collect(job: str, n: int, loops: list[Any]) -> list[ImageResult]:
+    """The job's n results off its output Queue (lists of those finished together), in input
+    order (a failed loop raises)."""
     from distributed import Queue
 
     done_queue = Queue(f"bg-diff-out-{job}")
     results: list[ImageResult | None] = [None] * n
     got = 0
     while got < n:
-        res = _get(done_queue, 0.5)
-        if res is None:
-            for f in loops or []:
+        # one round trip per look, none waiting in the scheduler; the driver's polling shares the
+        # CPUs with the workers (finish times are the workers' own, so its delay costs nothing)
+        batches = done_queue.get(batch=True)
+        if not batches:
+            for f in loops:
                 if f.status == "error":
                     f.result()  # raises the worker's exception
+            time.sleep(0.05)
             continue
-        results[res.index] = res
-        got += 1
+        for res in (r for batch in batches for r in batch):
+            results[res.index] = res
+            got += 1
     return results  # type: ignore[return-value]
 
 
-def _tokens(r: ImageRequest) -> int:
-    # policy ordering before a model is loaded: pixel area stands in for tokens
-    return (r.height or 256) * (r.width or 256)
-
-
-def worker_loop(model: str, job: str, me: str, policy: str, max_running: int, admit_per_step: int, migrate: bool,
-                cost: CostModel, engine_options: dict) -> dict[str, int]:
-    """One worker's engine loop for job `job` (a Dask task pinned to worker `me`)."""
-    from distributed import Queue, secede
-
-    from .frame import _engine
-
-    secede()
-    engine = _engine(model, {**engine_options, "policy": policy, "cost": cost})
-    todo, out = Queue(f"bg-diff-req-{job}"), Queue(f"bg-diff-out-{job}")
-    steal, inbox = Queue(f"bg-diff-steal-{job}"), Queue(f"bg-diff-migrate-{job}-{me}")
-    done = Queue(f"bg-diff-done-{job}")
-    index_of: dict[int, tuple[int, bool]] = {}  # engine tid -> (job index, arrived by migration)
-    asked = False
-    stats = {"steps": 0, "migrated_in": 0, "migrated_out": 0}
-    queue_empty = False
-    while True:
-        admitted = 0
-        # a few per step, so that every worker's loop gets a share of the queue
-        while not queue_empty and len(index_of) < max_running and admitted < admit_per_step:
-            admitted += 1
-            item = _get(todo)
-            if item is None:
-                queue_empty = True
-                break
-            index, req, deadline = item
-            index_of[engine.add_request(req, deadline=deadline)] = (index, False)
-        if not index_of:
-            if migrate:
-                if not asked:
-                    steal.put(me)
-                    asked = True
-                got = _get(inbox, 0.05)
-                if got is not None:
-                    index, deadline, data = got
-                    index_of[engine.resume(data, deadline=deadline)] = (index, True)
-                    stats["migrated_in"] += 1
-                    asked = False
-                    continue
-            if done.qsize() > 0:
-                return stats
-            if not migrate:
-                time.sleep(0.05)
-            continue
-        for o in engine.step():
-            index, moved = index_of.pop(o.index)
-            out.put(ImageResult(index, _png(o.image) if o.error is None else None, o.error, time.time(), me, moved))
-        stats["steps"] += 1
-        if migrate and len(index_of) >= 2 and queue_empty:
-            thief = _get(steal)
-            if thief is not None and thief != me:
-                tid = max(index_of, key=lambda t: engine.trajectory(t).remaining_steps
-                          if engine.trajectory(t).step > 0 else -1)
-                index, _ = index_of.pop(tid)
-                Queue(f"bg-diff-migrate-{job}-{thief}").put((index, None, engine.suspend(tid)))
-                stats["migrated_out"] += 1
-
-
-def _get(queue: Any, wait: float = 0.0) -> Any:
+def _get(queue: Any, wait: float = 0.0, poll: float = 0.01) -> Any:
     """An item, or None when the queue is empty (after `wait` seconds). qsize first: a get that
     times out is logged by the scheduler as an error."""
     deadline = time.time() + wait
@@ -200,7 +141,7 @@ def _get(queue: Any, wait: float = 0.0) -> Any:
                 return None
         if time.time() >= deadline:
             return None
-        time.sleep(0.01)
+        time.sleep(poll)
 
 
 def _png(image: Any) -> bytes:

@@ -1,34 +1,48 @@
-"""The elastic scheduling loop on the workers: rounds of one step, degree chosen per round.
+"""One worker's loop of an elastic job: free-running at degree 1, synchronised only when it pays.
 
-Every worker of the job runs `elastic_loop` (a Dask task pinned to it, all in one gloo world, see
-sp_cluster.start_world). A round is:
+Every worker of the job runs `elastic_loop` (a Dask task pinned to it). Most of the time a loop
+runs free, as a single engine would: it admits the requests dealt to it (steal.deal; each once
+it has arrived) while it has room, takes one step of its trajectories (one forward per latent
+shape, mixed timesteps), decodes and reports those that finish. No barrier, no exchange with the
+other workers per step.
 
-  1. state: each worker all-gathers (over the world Group, group-free collectives) the running
-     trajectories it owns (policy views: key, tokens, rows, remaining steps) and its clock;
-  2. plan: each runs plan.plan_round (pure) on that same state -> the same RoundPlan everywhere:
-     admissions, each trajectory's group (ranks) and degree, the round's forwards;
-  3. reshard: a trajectory whose group gains members is copied to them (point-to-point, the
-     owner's snapshot); members that leave it drop their copy. Every member holds the whole latents and the
-     Ulysses forward takes its token shard, so a degree change moves state only to new members;
-  4. run: each worker takes its degree-1 forwards, then the sequence-parallel ones it is a member
-     of, in the plan's order (every member applies the same scheduler step to the all-gathered
-     model output, so the copies stay identical);
-  5. finish: the owner of a trajectory that took its last step decodes it and puts the result on
-     the job's output Queue; the other members drop their copies.
+A worker left with nothing to run or admit registers on the job's `steal` queue and waits on
+its inbox. A busy worker that finds it there (it looks at most every POLL_S) decides (steal.py,
+pure):
 
-The loops end together when the gathered state has nothing running and nothing left to admit.
+  - hand over the back half of its list of requests not yet admitted, if it has any;
+  - else hand over trajectories: those whose move cuts max(own, thief's) remaining time; they
+    are suspended at the step boundary and resumed by the thief, bit-identically;
+  - else, if the first round's plan over the two (plan.plan_round) runs some trajectory at degree
+    > 1 (the cost model says its steps run faster spread than the busy worker's round alone),
+    send the thief a sync offer; both then run lockstep rounds (cluster_sync.py: all-gather of
+    their trajectories over a group-free Group of the two, the pure plan every step, Ulysses
+    forwards) until the plan puts nothing over more than one worker, and run free again;
+  - else nothing: the thief goes back on the queue for the others, and this worker looks again
+    only once its own work changes.
+
+A worker that registered keeps reading its inbox at every step boundary (it may have been given
+arrivals meanwhile): an offer is answered at once, so the offering worker waits at most a step.
+Only unregistered workers pop thieves, and one offer at a time, so no two groups wait on each other.
+The loops end when the driver has every result (its `done` queue).
 """
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .cost import CostModel
-from .plan import ClusterState, ElasticOptions, Measured, Placed, plan_round
-from .policy import TrajView
+from .plan import ElasticOptions, Measured
+from .policy import TrajView, plan_step
 from .request import ImageRequest
+
+_RECENT = 32   # forward samples a worker keeps for the cost model's correction
+POLL_S = 0.05  # a busy worker looks at the steal queue / its inbox at most this often (each look
+               # is a round trip to the scheduler)
+IDLE_S = 0.025 # an idle worker's pause between looks at its inbox
+DONE_S = 0.1   # ... and between asking whether the job is done
 
 
 def request_view(pipe: Any, index: int, req: ImageRequest, arrival: float, deadline: float | None) -> TrajView:
@@ -46,129 +60,243 @@ def allowed_degrees(pipe: Any, workers: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, workers + 1) if heads % d == 0)
 
 
-def elastic_loop(model: str, job: str, world_ranks: tuple[int, ...], requests: Sequence[ImageRequest],
-                 deadlines: Sequence[float | None], arrivals: Sequence[float], policy: str, options: ElasticOptions,
-                 cost: CostModel, engine_options: dict, keep_arrays: bool) -> dict[str, Any]:
-    """One worker's part of an elastic job (see the module docstring); -> its statistics."""
-    import torch.distributed as dist
+@dataclass
+class Loop:
+    """One worker's part of a job. held: request index -> engine tid (owned trajectories, and in
+    a sync phase the copies of spread ones); history: request index -> (owner, degree) per step
+    taken; samples: recent forwards (rank, key, degree, modelled s, measured s)."""
+
+    engine: Any
+    me: int
+    address: str
+    job: str
+    requests: Sequence[ImageRequest]
+    deadlines: Sequence[float | None]
+    arrivals: Sequence[float]
+    policy: str
+    options: ElasticOptions
+    cost: CostModel
+    degrees: tuple[int, ...]
+    keep_arrays: bool
+    out: Any
+    pending: list[int] = field(default_factory=list)
+    start: float = 0.0
+    held: dict[int, int] = field(default_factory=dict)
+    history: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    samples: list[tuple[int, tuple, int, float, float]] = field(default_factory=list)
+    measured: Measured = field(default_factory=Measured)
+    stats: dict[str, Any] = field(default_factory=lambda: {
+        "steps": 0, "forwards": 0, "sp_forwards": 0, "migrated_in": 0, "migrated_out": 0, "requests_in": 0,
+        "requests_out": 0, "offers": 0,
+        "sync_phases": 0, "rounds": 0, "copies_in": 0, "max_degree": 1, "plan_s": 0.0, "sync_s": 0.0,
+        "est_s": 0.0, "first_sp_at": None, "forward_s": 0.0, "report_s": 0.0, "idle_s": 0.0, "loop_s": 0.0,
+        "cpu_s": 0.0})
+
+    def admit(self) -> int:
+        """Admit arrived requests of its list, in order, while it has room (a few per step, so
+        that admissions' conditioning does not stall running trajectories); -> how many."""
+        elapsed = time.time() - self.start
+        n = 0
+        for index in list(self.pending):
+            if len(self.held) >= self.options.max_running or n >= self.options.admit_per_round:
+                break
+            if self.arrivals[index] <= elapsed:
+                self.pending.remove(index)
+                self.held[index] = self.engine.add_request(self.requests[index], deadline=self.deadlines[index])
+                n += 1
+        return n
+
+    def arrived(self) -> bool:
+        """A request of its list has arrived and waits."""
+        elapsed = time.time() - self.start
+        return any(self.arrivals[i] <= elapsed for i in self.pending)
+
+    def view(self, index: int) -> TrajView:
+        t = self.engine.trajectory(self.held[index])
+        v = request_view(self.engine.pipe, index, t.request, self.arrivals[index], self.deadlines[index])
+        return TrajView(index, v.key, v.tokens, v.rows, t.remaining_steps, v.arrival, v.deadline)
+
+    def running(self) -> list[int]:
+        """Owned request indices with steps left."""
+        out = []
+        for index, tid in self.held.items():
+            t = self.engine.trajectory(tid)
+            if t.remaining_steps > 0 and t.error is None:
+                out.append(index)
+        return out
+
+    def forward(self, indices: Sequence[int], shard: Any = None, ranks: tuple[int, ...] | None = None) -> None:
+        """One forward of these trajectories (one key), timed; degree len(ranks)."""
+        ranks = ranks or (self.me,)
+        views = [request_view(self.engine.pipe, i, self.requests[i], 0.0, None) for i in indices]
+        modelled = self.cost.step_time(sum(v.rows * v.tokens for v in views), views[0].tokens, len(ranks))
+        began = time.perf_counter()
+        tids = [self.held[i] for i in indices]
+        if shard is None:
+            try:
+                self.engine.step_trajectories(tids)
+            except Exception as exc:  # noqa: BLE001 - those trajectories fail, the job goes on
+                for tid in tids:
+                    self.engine.fail(tid, f"step failed on worker {self.address}: {type(exc).__name__}: {exc}")
+        else:
+            # a member that failed here would leave the others waiting in the collective: no
+            # guard, the loop's error reaches the driver (run_on_cluster raises it)
+            self.engine.step_trajectories(tids, shard)
+            if self.stats["first_sp_at"] is None:
+                self.stats["first_sp_at"] = time.time()
+        took = time.perf_counter() - began
+        self.stats["forward_s"] += took
+        self.samples.append((self.me, views[0].key, len(ranks), modelled, took))
+        del self.samples[:-_RECENT]
+        self.stats["forwards"] += 1
+        self.stats["sp_forwards"] += shard is not None
+        self.stats["max_degree"] = max(self.stats["max_degree"], len(ranks))
+
+    def step_free(self) -> None:
+        """One step of every owned running trajectory at degree 1 (one forward per key)."""
+        running = self.running()
+        views = [self.view(i) for i in running]
+        e = self.engine
+        groups = plan_step(views, self.policy, time.time(), self.cost, e.max_batch_rows, e.max_batch_tokens)
+        for group in groups:
+            self.forward(group)
+            for i in group:
+                self.history.setdefault(i, []).append((self.me, 1))
+        self.stats["steps"] += 1
+        if self.options.adapt and groups:
+            self.measured.update(self.samples[-len(groups):])
+
+    def report(self) -> None:
+        """Decode the owned trajectories that are done (and admissions that failed) -> the out queue."""
+        from .cluster import ImageResult, _png
+
+        began = time.perf_counter()
+        index_of = {tid: index for index, tid in self.held.items()}
+        results = []
+        for o in self.engine.collect():
+            index = index_of[o.index]
+            self.held.pop(index)
+            steps = self.history.pop(index, []) if o.error is None else []
+            self.history.pop(index, None)
+            moved = len({owner for owner, _ in steps}) > 1
+            results.append(ImageResult(index, _png(o.image) if o.error is None else None, o.error, time.time(),
+                                       self.address, moved, tuple(d for _, d in steps),
+                                       o.array if self.keep_arrays else None))
+        if results:
+            self.out.put(results)  # one round trip for all that finished together
+        self.stats["report_s"] += time.perf_counter() - began
+
+    def scale(self) -> tuple[dict[tuple, float], float]:
+        return (dict(self.measured.scale), self.measured.overall) if self.options.adapt else ({}, 1.0)
+
+
+def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int], requests: Sequence[ImageRequest],
+                 deadlines: Sequence[float | None], arrivals: Sequence[float], start: float, policy: str,
+                 options: ElasticOptions, cost: CostModel, engine_options: dict, keep_arrays: bool,
+                 workers: int) -> dict[str, Any]:
+    """One worker's part of a job (see the module docstring); me: its rank (the gloo world's
+    when `world`, else its place among the job's workers); mine: the request indices dealt to
+    it, in the order to admit them; start: the driver's time.time() at the start (arrivals
+    count from it); -> its statistics."""
     from distributed import Queue, get_worker, secede
 
-    from .cluster import ImageResult, _png
+    from .cluster import _get
     from .frame import _engine
-    from .groups import Group, all_gather_bytes, send_recv_bytes
-    from .sp import UlyssesShard
+    from .steal import handover, spread_plan
 
     secede()
-    engine = _engine(model, {**engine_options, "policy": policy, "cost": cost})
-    pipe = engine.pipe
-    me = dist.get_rank()
-    address = get_worker().address
-    world = Group.of(world_ranks, salt=f"bg-diff-{job}")
-    out = Queue(f"bg-diff-out-{job}")
-    degrees = allowed_degrees(pipe, len(world_ranks))
-    held: dict[int, int] = {}                     # request index -> engine tid (this worker's copies)
-    groups: dict[int, tuple[int, ...]] = {}       # request index -> ranks, as of the last plan (all workers)
-    history: dict[int, list[tuple[int, int]]] = {}  # request index -> (owner, degree) per step taken
-    pending = list(range(len(requests)))
-    measured = Measured()
-    samples: list[tuple[int, tuple, int, float, float]] = []  # this worker's forwards last round
-    stats = {"rounds": 0, "forwards": 0, "sp_forwards": 0, "copies_in": 0, "max_degree": 1,
-             "plan_s": 0.0, "sync_s": 0.0, "est_s": 0.0}
-    start = None
+    # the loop plans its own steps (plan_step with this job's policy and cost): the worker's
+    # engine for these options serves every job, warm after the first
+    engine = _engine(model, engine_options)
+    degrees = allowed_degrees(engine.pipe, workers) if world else (1,)
+    if options.max_degree is not None:
+        degrees = tuple(d for d in degrees if d <= options.max_degree)
+    w = Loop(engine, me, get_worker().address, job, requests, deadlines, arrivals, policy, options, cost, degrees,
+             keep_arrays, Queue(f"bg-diff-out-{job}"), pending=list(mine), start=start)
+    done, steal, inbox = Queue(f"bg-diff-done-{job}"), Queue(f"bg-diff-steal-{job}"), Queue(f"bg-diff-inbox-{job}-{me}")
+    asked = False              # registered on `steal`, not yet answered
+    declined: tuple | None = None  # (owned set, queued count) at which no thief could be helped
+    looked = 0.0               # when this worker last looked at a queue (at most every POLL_S while busy)
+    began, cpu = time.perf_counter(), time.process_time()
+    checked = 0.0              # when an idle worker last asked whether the job is done
     while True:
-        t0 = time.perf_counter()
-        mine = []
-        for index, tid in held.items():
-            t = engine.trajectory(tid)
-            if groups[index][0] == me and t.remaining_steps > 0 and t.error is None:
-                v = request_view(pipe, index, t.request, arrivals[index], deadlines[index])
-                mine.append(Placed(TrajView(index, v.key, v.tokens, v.rows, t.remaining_steps, v.arrival,
-                                            v.deadline), groups[index]))
-        states = [pickle.loads(b) for b in all_gather_bytes(world, pickle.dumps((time.time(), mine, samples)))]
-        now = states[0][0]
-        start = now if start is None else start
-        running = tuple(p for _, ps, _ in states for p in ps)
-        if options.adapt:
-            measured.update([x for _, _, xs in states for x in xs])
-        samples = []
-        arrived = [i for i in pending if arrivals[i] <= now - start]
-        if not running and not pending:
-            break
-        t1 = time.perf_counter()
-        waiting = tuple(request_view(pipe, i, requests[i], arrivals[i], deadlines[i]) for i in arrived)
-        plan = plan_round(ClusterState(tuple(world_ranks), running, waiting, now, degrees, dict(measured.scale),
-                                       dict(measured.speed), measured.overall), policy, cost, options)
-        t2 = time.perf_counter()
-        stats["sync_s"] += t1 - t0
-        stats["plan_s"] += t2 - t1
-        stats["est_s"] += plan.est_round_s
-        stats["rounds"] += 1
-        if not running and not plan.admit:
-            time.sleep(0.01)  # nothing arrived yet
-            continue
-        for rank, indices in plan.admit.items():
-            for index in indices:
-                pending.remove(index)
-                groups[index] = (rank,)
-                if rank == me:
-                    held[index] = engine.add_request(requests[index], deadline=deadlines[index])
+        admitted = w.admit()
+        if admitted:
+            w.report()  # requests that fail at admission
+        now = time.time()
+        if asked and (not w.held or now - looked >= POLL_S):
+            looked = now
+            msgs = inbox.get(batch=True)  # one round trip, nothing waits in the scheduler
+            if not msgs and not w.held:
+                time.sleep(IDLE_S)
+                w.stats["idle_s"] += IDLE_S
+            for msg in msgs:
+                asked = False
+                declined = None
+                if msg[0] == "sync":
+                    from .cluster_sync import sync_phase
 
-        # reshard: copies to new members, old members not in the new group drop theirs
-        moves, payloads = [], {}
-        for index in sorted(plan.groups):
-            old, new = groups[index], plan.groups[index]
-            for r in new:
-                if r not in old:
-                    moves.append((old[0], r, index))
-                    if old[0] == me:
-                        payloads[index] = engine.snapshot(held[index])
-        for index, data in send_recv_bytes(moves, payloads).items():
-            held[index] = engine.resume(data, deadline=deadlines[index])
-            stats["copies_in"] += 1
-        for index in [i for i in groups if i not in plan.groups]:
-            groups.pop(index)  # finished last round (on its owner)
-            history.pop(index, None)
-        for index, new in plan.groups.items():
-            if me not in new and index in held:
-                engine.drop(held.pop(index))
-            groups[index] = new
-            history.setdefault(index, []).append((new[0], len(new)))
-
-        for n, fwd in enumerate(plan.forwards):
-            if me not in fwd.ranks:
+                    sync_phase(w, msg[1], msg[2])
+                elif msg[0] == "reqs":
+                    w.pending += list(msg[1])
+                    w.stats["requests_in"] += len(msg[1])
+                else:
+                    _, index, history, data = msg
+                    w.held[index] = engine.resume(data, deadline=deadlines[index])
+                    w.history[index] = [tuple(h) for h in history]  # the Queue may make lists tuples
+                    w.stats["migrated_in"] += 1
+            if msgs:
                 continue
-            tids = [held[i] for i in fwd.tids]
-            views = [request_view(pipe, i, requests[i], 0.0, None) for i in fwd.tids]
-            modelled = cost.step_time(sum(v.rows * v.tokens for v in views), views[0].tokens, len(fwd.ranks))
-            began = time.perf_counter()
-            if len(fwd.ranks) == 1:
-                try:
-                    engine.step_trajectories(tids)
-                except Exception as exc:  # noqa: BLE001 - those trajectories fail, the job goes on
-                    for tid in tids:
-                        engine.fail(tid, f"step failed on worker {address}: {type(exc).__name__}: {exc}")
-                shard = None
-            else:
-                # a member that failed here would leave the others waiting in the collective: no
-                # guard, the loop's error reaches the driver (run_on_cluster raises it)
-                shard = UlyssesShard(Group.of(fwd.ranks, salt=f"{job}:{stats['rounds']}:{n}"))
-                engine.step_trajectories(tids, shard)
-            samples.append((me, views[0].key, len(fwd.ranks), modelled, time.perf_counter() - began))
-            stats["forwards"] += 1
-            stats["sp_forwards"] += shard is not None
-            stats["max_degree"] = max(stats["max_degree"], len(fwd.ranks))
+        if not w.running():
+            w.report()
+            if w.pending:
+                time.sleep(0.005)  # its next request has not arrived yet
+                continue
+            if not asked and not w.held:
+                steal.put(me)
+                asked = True
+            if time.time() - checked >= DONE_S:
+                checked = time.time()
+                if done.qsize() > 0:
+                    w.stats["loop_s"] = time.perf_counter() - began
+                    w.stats["cpu_s"] = time.process_time() - cpu  # the whole worker process's
+                    return w.stats
+            continue
+        w.step_free()
+        w.report()
+        owned = frozenset(w.held), len(w.pending)
+        now = time.time()
+        if asked or owned == declined or now - looked < POLL_S:
+            continue
+        looked = now
+        thief = _get(steal)
+        if thief is None or thief == me:  # (never itself: only unregistered workers pop)
+            continue
+        box = Queue(f"bg-diff-inbox-{job}-{thief}")
+        if len(w.pending) > 1 or w.pending and w.held:
+            give = w.pending[len(w.pending) // 2:]  # the end of its list: what it would run last
+            del w.pending[len(w.pending) // 2:]
+            box.put(("reqs", give))
+            w.stats["requests_out"] += len(give)
+            continue
+        views = [w.view(i) for i in w.running()]
+        scale, overall = w.scale()
+        give = handover(views, cost, options.switch_gain, scale, overall, options.max_running)
+        if give:
+            for index in give:
+                data = engine.suspend(w.held.pop(index))
+                box.put(("traj", index, w.history.pop(index, []), data))
+                w.stats["migrated_out"] += 1
+            continue
+        if spread_plan(me, thief, views, now, degrees, policy, cost, options, scale, overall) is not None:
+            from .cluster_sync import sync_phase
 
-        index_of = {tid: index for index, tid in held.items()}
-        for index, tid in list(held.items()):
-            t = engine.trajectory(tid)
-            if t.remaining_steps == 0 and groups[index][0] != me:
-                engine.drop(held.pop(index))
-        for o in engine.collect():
-            index = index_of[o.index]
-            held.pop(index)
-            groups.pop(index, None)
-            steps = history.pop(index, []) if o.error is None else []
-            moved = len({owner for owner, _ in steps}) > 1
-            out.put(ImageResult(index, _png(o.image) if o.error is None else None, o.error, time.time(),
-                                address, moved, tuple(d for _, d in steps), o.array if keep_arrays else None))
-    return stats
+            members = tuple(sorted((me, thief)))
+            salt = f"{job}:sync:{me}:{w.stats['offers']}"
+            w.stats["offers"] += 1
+            box.put(("sync", members, salt))
+            sync_phase(w, members, salt)
+            declined = None
+            continue
+        steal.put(thief)  # for another worker; this one looks again when its work changes
+        declined = owned

@@ -61,16 +61,30 @@ def plan_step(views: Sequence[TrajView], policy: str, now: float, cost: CostMode
               max_rows: int = 64, max_tokens: int | None = None) -> list[list[int]]:
     """-> groups of tids, each one forward, most urgent group first. Trajectories are taken in
     priority order while the step's budget lasts (rows, and image tokens summed over rows);
-    those taken are grouped by key, so mixed timesteps share a forward."""
+    those taken are grouped by key, so mixed timesteps share a forward (split where the group
+    passes the cost model's max_batch_tokens: split_forward)."""
     groups: dict[tuple, list[int]] = {}
     rows = tokens = 0
     for v in priority(views, policy, now, cost):
         if groups and (rows + v.rows > max_rows or (max_tokens is not None and tokens + v.rows * v.tokens > max_tokens)):
             continue  # a smaller one further down may still fit
-        groups.setdefault(v.key, []).append(v.tid)
+        groups.setdefault(v.key, []).append(v)
         rows += v.rows
         tokens += v.rows * v.tokens
-    return list(groups.values())
+    return [part for vs in groups.values() for part in split_forward(vs, cost)]
+
+
+def split_forward(views: Sequence[TrajView], cost: CostModel) -> list[list[int]]:
+    """One key's trajectories -> tids per forward: cost.chunks(...) forwards of about equal rows
+    (whole trajectories: a guided one's two rows stay together), in the given order."""
+    k = min(len(views), cost.chunks(sum(v.rows * v.tokens for v in views)))
+    if k == 1:
+        return [[v.tid for v in views]]
+    parts: list[list[TrajView]] = [[] for _ in range(k)]
+    for v in sorted(views, key=lambda v: -v.rows):  # largest first onto the lightest part
+        min(parts, key=lambda p: (sum(u.rows for u in p), len(p))).append(v)
+    order = {v.tid: n for n, v in enumerate(views)}
+    return [sorted((v.tid for v in p), key=order.__getitem__) for p in parts if p]
 
 
 def best_degree(tokens: int, cost: CostModel, free: int, max_degree: int | None = None) -> int:
