@@ -84,6 +84,11 @@ def test_load_report_equals_the_runners_full_sort() -> None:
         got = reported_movable(q.most_remaining(256))
         assert got == want, trial
         assert q.remaining_tokens == sum(s.remaining_tokens for s in q)
+        again = q.most_remaining(256)  # a row's entry is made once, on its first report
+        assert all(a is b for a, b in zip(again, q.most_remaining(256)))
+        if q:
+            q.popleft()
+            assert set(q.reported) <= set(q), "a row that left the queue keeps no entry"
 
 
 def test_engine_load_is_what_the_policy_reads(cost) -> None:

@@ -68,8 +68,9 @@ class SimResult:
 
 
 def _rows(workload: Workload, rows: np.ndarray) -> list[Sequence]:
-    p, o, m = workload.prompt_len, workload.output_len, workload.max_tokens
-    return [make_sequence(int(r), int(p[r]), int(m[r]), int(o[r])) for r in rows]
+    # plain ints first (indexing numpy arrays row by row makes numpy scalars: slower)
+    p, o, m = (a[rows].tolist() for a in (workload.prompt_len, workload.output_len, workload.max_tokens))
+    return list(map(make_sequence, rows.tolist(), p, m, o))
 
 
 def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, policy: Policy,

@@ -13,20 +13,22 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
     """The scheduler's waiting deque, counting its rows by remaining tokens.
 
     A waiting row generates nothing and holds no KV, so what a load report says of it is fixed
-    while it waits: each row's CoroutineInfo is made once, when it joins, and the counts let a
-    report find the rows with most remaining without sorting thousands (a big partition waits
-    whole), with the same answer as sorting them all."""
+    while it waits: each row's remaining tokens are taken once, when it joins, and the counts let
+    a report find the rows with most remaining without sorting thousands (a big partition waits
+    whole), with the same answer as sorting them all. A CoroutineInfo is made only for the rows
+    a report first lists."""
 
     def __init__(self, items: Iterable[Sequence] = ()) -> None:
         super().__init__()
         self.counts: Counter[int] = Counter()
-        self.info: dict[Sequence, CoroutineInfo] = {}
+        self.info: dict[Sequence, int] = {}  # remaining tokens, as it joined
+        self.reported = _Reported(self.info)  # a row's CoroutineInfo, made when a report first lists it
         for item in items:
             self.append(item)
 
     def _add(self, seq: Sequence) -> None:
-        info = self.info[seq] = CoroutineInfo(int(seq.seq_id), seq.remaining_tokens, 0)
-        self.counts[info.remaining] += 1
+        remaining = self.info[seq] = seq.remaining_tokens
+        self.counts[remaining] += 1
 
     def append(self, seq: Sequence) -> None:
         super().append(seq)
@@ -46,7 +48,8 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
         self._drop(seq)
 
     def _drop(self, seq: Sequence) -> None:
-        key = self.info.pop(seq).remaining
+        key = self.info.pop(seq)
+        self.reported.pop(seq, None)
         self.counts[key] -= 1
         if not self.counts[key]:
             del self.counts[key]
@@ -57,33 +60,43 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
 
     def most_remaining(self, limit: int) -> list[CoroutineInfo]:
         """The report of sorted(self, key=remaining, reverse=True)[:limit], ties in queue order."""
-        info = self.info
+        info, reported = self.info, self.reported
         if len(self) <= limit:
-            return sorted((info[s] for s in self), key=_remaining, reverse=True)
-        if len(self.counts) == 1:  # all alike (a partition not started): queue order
-            return [info[s] for s in islice(self, limit)]
-        keep, threshold = 0, 0
-        for key in sorted(self.counts, reverse=True):
-            threshold = key
-            keep += self.counts[key]
-            if keep >= limit:
-                break
-        above = keep - self.counts[threshold]  # rows strictly above the threshold: all kept
-        picked: list[CoroutineInfo] = []
-        ties = limit - above
-        seen_above = 0
-        for seq in self:
-            c = info[seq]
-            if c.remaining > threshold:
-                picked.append(c)
-                seen_above += 1
-            elif c.remaining == threshold and ties:
-                picked.append(c)
-                ties -= 1
-            if not ties and seen_above == above:
-                break
-        return sorted(picked, key=_remaining, reverse=True)
+            picked = sorted(self, key=info.__getitem__, reverse=True)
+        elif len(self.counts) == 1:  # all alike (a partition not started): queue order
+            return list(map(reported.__getitem__, islice(self, limit)))
+        else:
+            keep, threshold = 0, 0
+            for key in sorted(self.counts, reverse=True):
+                threshold = key
+                keep += self.counts[key]
+                if keep >= limit:
+                    break
+            above = keep - self.counts[threshold]  # rows strictly above the threshold: all kept
+            picked = []
+            ties = limit - above
+            seen_above = 0
+            for seq in self:
+                r = info[seq]
+                if r > threshold:
+                    picked.append(seq)
+                    seen_above += 1
+                elif r == threshold and ties:
+                    picked.append(seq)
+                    ties -= 1
+                if not ties and seen_above == above:
+                    break
+            picked.sort(key=info.__getitem__, reverse=True)
+        return list(map(reported.__getitem__, picked))
 
 
-def _remaining(c: CoroutineInfo) -> int:
-    return c.remaining
+class _Reported(dict):  # type: ignore[type-arg]
+    """seq -> its CoroutineInfo as a waiting row, made on its first look-up."""
+
+    def __init__(self, remaining: dict[Sequence, int]) -> None:
+        super().__init__()
+        self.remaining = remaining
+
+    def __missing__(self, seq: Sequence) -> CoroutineInfo:
+        info = self[seq] = CoroutineInfo(int(seq.seq_id), self.remaining[seq], 0)
+        return info
