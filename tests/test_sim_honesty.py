@@ -56,34 +56,37 @@ def test_predicted_bct_within_25_percent_of_a_real_two_worker_job(tmp_path: Path
     model = str(build_demo_model(tmp_path / "demo", dtype="float32"))
     pdf = _rows(tokenizer_vocab_size(model))
     ddf = dd.from_pandas(pdf, npartitions=2, sort=False)
+    lengths = pdf["max_tokens"].to_numpy(dtype=np.int64)
+    workload = Workload("honesty", np.array([len(p) for p in pdf["prompt"]], dtype=np.int64), lengths, lengths)
+    engine = EngineSimConfig(max_num_seqs=256, max_num_batched_tokens=2048)  # EngineConfig's defaults
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
                       env={"OMP_NUM_THREADS": "1"}) as cluster, Client(cluster) as client:
         workers = sorted(client.scheduler_info()["workers"])
-        profile = _average(client.gather([client.submit(_calibrate, model, workers=[w], pure=False) for w in workers]))
         bc.connect(client=client, balance=BalanceConfig())
         warm = pdf.iloc[:1].assign(max_tokens=2)
         client.gather([client.submit(bc.generate, warm, model=model, per_row={"max_tokens": "max_tokens"},
                                      engine_options=OPTIONS, temperature=0.0, ignore_eos=True, workers=[w], pure=False)
                        for w in workers])
-        # best of three: the profile and the simulation model an uncontended machine; on 2 shared
-        # cores one run can lose a third of its time to the scheduler, client and other processes
-        times = []
+        # three rounds, each a calibration (both workers at once, sharing the machine as during the
+        # job) right before the measured job, so a pair sees the same machine: on 2 shared cores
+        # the machine's speed drifts between minutes, and one calibration against the best of
+        # three runs compared two different machines. The median round decides.
+        rounds = []
         for _ in range(3):
+            profile = _average(client.gather([client.submit(_calibrate, model, workers=[w], pure=False)
+                                              for w in workers]))
             t0 = time.perf_counter()
             out = ddf.map_partitions(bc.generate, model=model, per_row={"max_tokens": "max_tokens"},
                                      engine_options=OPTIONS, temperature=0.0, ignore_eos=True).compute()
-            times.append(time.perf_counter() - t0)
-        measured = min(times)
+            measured = time.perf_counter() - t0
+            assert (out["num_generated_tokens"] == out["max_tokens"]).all()
+            sim = simulate(workload, FittedCost.build(profile), engine, BatchGen(BalanceConfig()),
+                           ClusterSimConfig(2, tick_s=0.2))
+            rounds.append((sim.bct_s / measured, sim.bct_s, measured, sim.migrated_coroutines))
         moved = bc.metrics(client).get("migrations", 0)
         bc.disconnect(client)
-    assert (out["num_generated_tokens"] == out["max_tokens"]).all()
-
-    lengths = pdf["max_tokens"].to_numpy(dtype=np.int64)
-    workload = Workload("honesty", np.array([len(p) for p in pdf["prompt"]], dtype=np.int64), lengths, lengths)
-    engine = EngineSimConfig(max_num_seqs=256, max_num_batched_tokens=2048)  # EngineConfig's defaults
-    sim = simulate(workload, FittedCost.build(profile), engine, BatchGen(BalanceConfig()),
-                   ClusterSimConfig(2, tick_s=0.2))
-    ratio = sim.bct_s / measured
-    print(f"\nhonesty: predicted BCT {sim.bct_s:.2f} s, measured {measured:.2f} s, predicted/measured {ratio:.3f}; "
-          f"migrated coroutines: measured {moved}, simulated {sim.migrated_coroutines}")
-    assert abs(ratio - 1) < 0.25, (sim.bct_s, measured)
+    ratio, predicted, measured, sim_moved = sorted(rounds)[1]
+    print(f"\nhonesty: predicted/measured per round {', '.join(f'{r[0]:.3f}' for r in rounds)}; median round: "
+          f"predicted BCT {predicted:.2f} s, measured {measured:.2f} s, predicted/measured {ratio:.3f}; "
+          f"migrated coroutines: measured {moved} (three jobs), simulated {sim_moved} (one)")
+    assert abs(ratio - 1) < 0.25, rounds
