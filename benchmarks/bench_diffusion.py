@@ -130,7 +130,7 @@ def run_batchgen(client: Any, model: str, reqs: list[Any], policy: str, deadline
     res = run_on_cluster(client, model, reqs, policy=policy, deadlines=abs_deadlines, cost=cost,
                          max_running=max_running, elastic=elastic, stats=stats)
     keys = ("steps", "forwards", "forward_s", "requests_in", "migrated_in", "offers", "sync_phases", "rounds",
-            "sp_forwards", "sync_s", "idle_s")
+            "sp_forwards", "sync_s", "idle_s", "report_s", "loop_s", "cpu_s")
     for s in stats:
         print("    loop: " + ", ".join(f"{k} {s[k]:.2f}" if isinstance(s[k], float) else f"{k} {s[k]}" for k in keys),
               file=sys.stderr)
