@@ -30,7 +30,20 @@ def test_module_is_pure() -> None:
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported <= {"__future__", "collections", "dataclasses"}, imported
+    assert imported <= {"__future__", "collections", "dataclasses", "heapq"}, imported  # the standard library only
+
+
+def test_reported_rows_are_the_sorted_report_and_made_only_for_those_listed() -> None:
+    import random
+
+    from batchgen.cluster.balance import CoroutineInfo, reported_movable, reported_movable_rows
+
+    rng = random.Random(0)
+    rows = [(i, rng.choice([5, 9, 9, 30]), rng.choice([0, 0, 3])) for i in range(1000)]  # many ties
+    want = tuple(sorted((CoroutineInfo(*r) for r in rows), key=lambda c: (c.is_started, -c.remaining))[:256])
+    assert reported_movable_rows(rows) == want == reported_movable(CoroutineInfo(*r) for r in rows)
+    assert reported_movable_rows(rows[:10], limit=256) == tuple(sorted((CoroutineInfo(*r) for r in rows[:10]),
+                                                                     key=lambda c: (c.is_started, -c.remaining)))
 
 
 def test_balanced_cluster_gets_no_orders() -> None:

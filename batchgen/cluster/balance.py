@@ -20,6 +20,7 @@ units per token to recompute.
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -41,10 +42,24 @@ class CoroutineInfo:
 MAX_REPORTED = 256
 
 
+def report_order(remaining: int, num_computed: int) -> tuple[bool, int]:
+    """The order a load report lists movable coroutines in: not-started ones first (free to
+    move), then the most remaining."""
+    return (num_computed > 0, -remaining)
+
+
 def reported_movable(coroutines: Iterable[CoroutineInfo], limit: int = MAX_REPORTED) -> tuple[CoroutineInfo, ...]:
-    """What an engine's load report lists as movable: not-started ones first (free to move), then
-    the most remaining; at most `limit`. The runner and the simulator both report through this."""
-    return tuple(sorted(coroutines, key=lambda c: (c.is_started, -c.remaining))[:limit])
+    """What an engine's load report lists as movable: at most `limit`, in report_order (ties in
+    input order: heapq.nsmallest is sorted(...)[:limit]). The runner and the simulator both
+    report through this."""
+    return tuple(heapq.nsmallest(limit, coroutines, key=lambda c: report_order(c.remaining, c.num_computed)))
+
+
+def reported_movable_rows(rows: Iterable[tuple[int, int, int]], limit: int = MAX_REPORTED
+                          ) -> tuple[CoroutineInfo, ...]:
+    """reported_movable of (seq_id, remaining, num_computed) rows, a CoroutineInfo made only for
+    those listed (an engine holding thousands of rows lists `limit` of them, every 0.1 s)."""
+    return tuple(CoroutineInfo(*r) for r in heapq.nsmallest(limit, rows, key=lambda r: report_order(r[1], r[2])))
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..outputs import RequestOutput
-from .balance import MAX_REPORTED, CoroutineInfo, reported_movable
+from .balance import MAX_REPORTED, CoroutineInfo, reported_movable_rows
 from .spec import EngineSpec
 from .speed import SpeedMeter, at_capacity
 
@@ -332,11 +332,12 @@ class EngineRunner:
                                float(load["kv_used_fraction"]))
         self._meter.observe(now, generated, load["waiting"] if capacity else 0)
         # own coroutines and those held for others (which re-migrate via their owner)
-        movable = [CoroutineInfo(int(seq_id), int(remaining), engine.get(seq_id).num_computed)
-                   for seq_id, remaining in load["remaining_by_seq"].items() if seq_id in self._tickets]
+        tickets = self._tickets
+        movable = [(int(seq_id), int(remaining), engine.get(seq_id).num_computed)
+                   for seq_id, remaining in load["remaining_by_seq"].items() if seq_id in tickets]
         self._load = RunnerLoad(True, load["waiting"], load["running"], float(load["kv_used_fraction"]),
                                 int(load["remaining_tokens"]), self._meter.tokens_per_s, generated,
-                                reported_movable(movable), self._meter.speed, _expert_hit_rate(engine),
+                                reported_movable_rows(movable), self._meter.speed, _expert_hit_rate(engine),
                                 int(load["kv_capacity_tokens"]), int(load["max_num_seqs"]), self._adopted)
 
 
