@@ -178,9 +178,8 @@ def test_calibrate_cluster_fits_degree_terms_on_the_workers(pipes, cluster):
 
     client, _ = cluster
     cost = calibrate_cluster(client, str(pipes["dit"]), rows=(1, 2), latents=(8, 12), repeats=1)
-    terms = (cost.fixed, cost.per_token, cost.per_attn, cost.comm_fixed, cost.per_comm_token)
     # the values are this machine's (noisy under load); what they come from is not
-    assert all(t >= 0 for t in terms) and cost.fixed + cost.per_token + cost.per_attn > 0
+    assert cost.fixed + cost.per_token + cost.per_attn > 0  # (every term is >= 0 by construction: nnls)
     # rows x (latent / patch 2)^2 tokens at degree 2, all four points timed
     for sample in ("16x16@2", "32x16@2", "36x36@2", "72x36@2"):
         assert sample in cost.source, cost.source

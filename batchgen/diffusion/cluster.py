@@ -129,19 +129,15 @@ def _collect(job: str, n: int, loops: list[Any]) -> list[ImageResult]:
     return results  # type: ignore[return-value]
 
 
-def _get(queue: Any, wait: float = 0.0, poll: float = 0.01) -> Any:
-    """An item, or None when the queue is empty (after `wait` seconds). qsize first: a get that
-    times out is logged by the scheduler as an error."""
-    deadline = time.time() + wait
-    while True:
-        if queue.qsize() > 0:
-            try:
-                return queue.get(timeout=1.0)  # another worker may have taken it meanwhile
-            except Exception:  # noqa: BLE001 - distributed's timeout
-                return None
-        if time.time() >= deadline:
-            return None
-        time.sleep(poll)
+def _get(queue: Any) -> Any:
+    """An item, or None when the queue is empty. qsize first: a get that times out is logged by
+    the scheduler as an error."""
+    if queue.qsize() == 0:
+        return None
+    try:
+        return queue.get(timeout=1.0)  # another worker may have taken it meanwhile
+    except Exception:  # noqa: BLE001 - distributed's timeout
+        return None
 
 
 def _png(image: Any) -> bytes:

@@ -176,8 +176,9 @@ class Loop:
         for o in self.engine.collect():
             index = index_of[o.index]
             self.held.pop(index)
-            steps = self.history.pop(index, []) if o.error is None else []
-            self.history.pop(index, None)
+            steps = self.history.pop(index, [])
+            if o.error is not None:
+                steps = []
             moved = len({owner for owner, _ in steps}) > 1
             results.append(ImageResult(index, _png(o.image) if o.error is None else None, o.error, time.time(),
                                        self.address, moved, tuple(d for _, d in steps),

@@ -123,16 +123,8 @@ class DiffusionEngine:
             views = [self._view(t) for t in running]
             now = time.time() if now is None else now
             for group in plan_step(views, self.policy, now, self.cost, self.max_batch_rows, self.max_batch_tokens):
-                trajs = [self._trajs[tid] for tid in group]
-                step_group(self.pipe, trajs, [self._live[tid] for tid in group], self._uncond)
-                self.num_forwards += 1
-                self.num_steps_taken += len(trajs)
-                for t in trajs:
-                    if t.remaining_steps == 0:
-                        t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
-        self._decode_finished()
-        out, self._done = self._done, []
-        return out
+                self._forward([self._trajs[tid] for tid in group])
+        return self.collect()
 
     def suspend(self, tid: int) -> bytes:
         """Take a trajectory out at its step boundary -> bytes that `resume` (here or on another
@@ -211,8 +203,11 @@ class DiffusionEngine:
         sp's group when given; those not running (failed at admission) are skipped."""
         self._admit()
         trajs = [self._trajs[tid] for tid in tids if self._trajs[tid].status is Status.RUNNING]
-        if not trajs:
-            return
+        if trajs:
+            self._forward(trajs, sp)
+
+    def _forward(self, trajs: list[Trajectory], sp: UlyssesShard | None = None) -> None:
+        """One forward of running trajectories of one group_key; those done move to DENOISED."""
         step_group(self.pipe, trajs, [self._live[t.tid] for t in trajs], self._uncond, sp)
         self.num_forwards += 1
         self.num_steps_taken += len(trajs)
