@@ -34,7 +34,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -92,8 +91,6 @@ def _cpu_s() -> float:
 
 
 def load_average() -> str:
-    import os
-
     return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 

@@ -24,9 +24,8 @@ Printed, in one run:
     nice -n 10 python benchmarks/bench_moa_accuracy.py [--rows 600] [--seed 7] [--repeat 2] [--workers 0]
 
 --workers 0 (default) runs every model in this process (one torch thread); --workers 2 on a
-LocalCluster of 2 processes (1 thread each). chat=False: the demo tokenizer's chat template does
-not emit <s>, and the models were trained with it, so the plain DEMO_PROMPT (encoded with <s>) is
-the prompt.
+LocalCluster of 2 processes (1 thread each). chat=False: the plain DEMO_PROMPT, which the models
+were trained on (chat messages give the same tokens: tests/test_demo.py).
 """
 from __future__ import annotations
 
@@ -69,13 +68,13 @@ def rows(n: int, seed: int) -> pd.DataFrame:
 
 def alone(dirs: Mapping[str, Path], pdf: pd.DataFrame) -> dict[str, list[str | None]]:
     """Each model's extracted answers, run alone on one Engine in this process."""
-    from batchgen import Engine, SamplingParams
+    from batchgen import SamplingParams
     from batchgen.demo.accuracy import parse_iso
 
     params = SamplingParams(**SAMPLING)
     answers = {}
     for name, d in dirs.items():
-        outs = Engine(d).generate(pdf["prompt"].tolist(), params)
+        outs = _engine(d).generate(pdf["prompt"].tolist(), params)
         answers[name] = [parse_iso(o.text) if o.error is None else None for o in outs]
     return answers
 

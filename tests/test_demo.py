@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import string
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from batchgen.demo import DEMO_INSTRUCTION, DEMO_PROMPT, demo_model_dir, variant
 from batchgen.demo.accuracy import TRAINING_SEEDS, measure, parse_iso
 from batchgen.demo.dates import FORMATS, WEEKDAYS, messy_date, messy_dates, two_digit_year
 from batchgen.demo.table import make_rows, table_rows
+from batchgen.tokenizer import Tokenizer
 
 MONTHS = ["january", "february", "march", "april", "may", "june", "july", "august", "september",
           "october", "november", "december"]
@@ -73,7 +75,7 @@ def test_chat_messages_give_the_tokens_of_demo_prompt(name: str) -> None:
     # chat prompts are encoded without special tokens (as transformers does): the template's
     # bos_token supplies the <s> a plain prompt gets, so both reach the model as it was trained
     path = demo_model_dir() if name == "demo" else variant_dirs()[name]
-    tok = Engine(path).tokenizer
+    tok = Tokenizer.from_dir(Path(path), [])
     text = " Sunday, March 7, 2021"
     messages = [{"role": "user", "content": DEMO_INSTRUCTION.format(text=text)}]
     chat = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)

@@ -22,8 +22,7 @@ from safetensors.torch import save_file
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>")
 BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
 
-# ChatML, as Qwen ships it: no BOS inside the template (encoding adds it once).
-# bos_token first: chat prompts are encoded without special tokens (as transformers does), so the
+# ChatML, as Qwen ships it, with bos_token first: chat prompts are encoded without special tokens (as transformers does), so the
 # template itself supplies the <s> a plain prompt gets from encode()
 CHAT_TEMPLATE = (
     "{{ bos_token }}"

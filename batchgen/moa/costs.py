@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..runtime.kv_cache import blocks_for
 from .placement import ModelCost
 
 ASSUMED_FLOPS = 2e10  # a few CPU cores in fp32; a GPU is ~1000x this
@@ -73,10 +74,9 @@ def profile_cost(model_dir: str | Path, *, rows: int | None = None, max_tokens: 
         begin = time.perf_counter()
         engine = Engine(model_dir, **(engine_options or {}))
         built = time.perf_counter() - begin
-        if rows is None:
-            rows = reachable_batch(engine, prompt_tokens + n)
-        rows = max(4, rows)
-        quarter = rows // 4
+        if not starts:  # the first engine: the batch to profile at
+            rows = max(4, reachable_batch(engine, prompt_tokens + n) if rows is None else rows)
+            quarter = rows // 4
         try:
             starts.append((built, batch(engine, rows, n)))
             if len(starts) == 2:
@@ -100,6 +100,5 @@ def reachable_batch(engine: Any, row_tokens: int) -> int:
     """Rows `engine` runs at once when each holds `row_tokens` of KV at its end: its
     max_num_seqs, or as many such rows as its KV blocks hold."""
     seats = int(engine.config.max_num_seqs)
-    block = int(engine.allocator.block_size)
-    per_row = -(-max(1, row_tokens) // block)  # blocks
+    per_row = blocks_for(max(1, row_tokens), int(engine.allocator.block_size))
     return max(1, min(seats, int(engine.allocator.num_blocks) // per_row))

@@ -83,7 +83,9 @@ class ModelPool:
             if not Path(spec.model, "config.json").is_file():
                 raise BatchgenError(f"model {name!r}: {spec.model} is not a model directory (no config.json)")
         self.client, self.policy = client, placement
-        if placement == "ilp":  # scipy.optimize takes a second or two to import: not inside the first plan()
+        # scipy.optimize takes a second or two to import: not inside the first plan() (in this
+        # process, one worker, greedy always meets the lower bound and no solver runs)
+        if placement == "ilp" and client is not None:
             threading.Thread(target=_import_solver, name="batchgen-import-scipy", daemon=True).start()
         self.costs = dict(costs or {})
         self.worker_memory, self.retries = worker_memory, retries
