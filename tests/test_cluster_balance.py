@@ -33,9 +33,10 @@ def test_module_is_pure() -> None:
     assert imported <= {"__future__", "collections", "dataclasses", "heapq"}, imported  # the standard library only
 
 
-def test_reported_rows_are_the_sorted_report_and_made_only_for_those_listed() -> None:
+def test_reported_rows_are_the_sorted_report_and_made_only_for_those_listed(monkeypatch: pytest.MonkeyPatch) -> None:
     import random
 
+    import batchgen.cluster.balance as balance
     from batchgen.cluster.balance import CoroutineInfo, reported_movable, reported_movable_rows
 
     rng = random.Random(0)
@@ -44,6 +45,16 @@ def test_reported_rows_are_the_sorted_report_and_made_only_for_those_listed() ->
     assert reported_movable_rows(rows) == want == reported_movable(CoroutineInfo(*r) for r in rows)
     assert reported_movable_rows(rows[:10], limit=256) == tuple(sorted((CoroutineInfo(*r) for r in rows[:10]),
                                                                      key=lambda c: (c.is_started, -c.remaining)))
+    made: list[int] = []
+
+    class Counted(CoroutineInfo):
+        __slots__ = ()
+
+        def __init__(self, *args: int) -> None:
+            made.append(1)
+            super().__init__(*args)
+    monkeypatch.setattr(balance, "CoroutineInfo", Counted)
+    assert len(reported_movable_rows(rows, limit=7)) == 7 and len(made) == 7  # not one per row
 
 
 def test_balanced_cluster_gets_no_orders() -> None:

@@ -136,9 +136,9 @@ def test_moved_rows_come_back_from_the_holder(pair: tuple[Bus, Host, Host], spec
     job = start(a, spec)
     # the report carries the pool and seats the balancer counts its orders into
     report = next(iter(a.report()["engines"].values()))
-    load = a.runner(spec).load
-    assert report["kv_capacity_tokens"] == load.kv_capacity_tokens > 0
-    assert report["max_num_seqs"] == load.max_num_seqs > 0
+    engine = a.runner(spec).call(lambda e: e).result(timeout=30)
+    assert report["kv_capacity_tokens"] == engine.allocator.capacity_tokens > 0
+    assert report["max_num_seqs"] == engine.config.max_num_seqs > 0
     move_two(a, spec, "B")
     assert finish(a, job) == expected
     assert (a.counters.migrated_out, b.counters.migrated_in, b.counters.returned) == (2, 2, 2)

@@ -328,17 +328,17 @@ class EngineRunner:
     def _take_snapshot(self, engine: Engine, now: float) -> None:
         load = engine.load()
         generated = int(engine.stats.generated_tokens)
-        capacity = at_capacity(load["waiting"], load["running"], int(engine.config.max_num_seqs or 0),
-                               float(load["kv_used_fraction"]))
+        seats, kv_used = int(load["max_num_seqs"]), float(load["kv_used_fraction"])
+        capacity = at_capacity(load["waiting"], load["running"], seats, kv_used)
         self._meter.observe(now, generated, load["waiting"] if capacity else 0)
         # own coroutines and those held for others (which re-migrate via their owner)
         tickets = self._tickets
         movable = [(int(seq_id), int(remaining), engine.get(seq_id).num_computed)
                    for seq_id, remaining in load["remaining_by_seq"].items() if seq_id in tickets]
-        self._load = RunnerLoad(True, load["waiting"], load["running"], float(load["kv_used_fraction"]),
+        self._load = RunnerLoad(True, load["waiting"], load["running"], kv_used,
                                 int(load["remaining_tokens"]), self._meter.tokens_per_s, generated,
                                 reported_movable_rows(movable), self._meter.speed, _expert_hit_rate(engine),
-                                int(load["kv_capacity_tokens"]), int(load["max_num_seqs"]), self._adopted)
+                                int(load["kv_capacity_tokens"]), seats, self._adopted)
 
 
 def _expert_hit_rate(engine: Engine) -> float:
