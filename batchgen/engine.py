@@ -53,6 +53,7 @@ class Engine:
                                 StoreOptions(c.expert_eviction, c.expert_prefetch, c.expert_io_threads,
                                              c.expert_overlap_reads))
         self.config.resolve_batch_defaults(self.model.experts is not None)
+        self.device_class = device_class(self.model.device, self.model.dtype, c)
         info = ModelInfo.for_spec(path, self.model.spec, self.config.max_model_len)
         self.model_dir, self.tokenizer, self.eos_token_ids = path, info.tokenizer, info.eos_token_ids
         self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len
@@ -391,6 +392,7 @@ class Engine:
             "running": len(self.scheduler.running),
             "kv_used_fraction": 1 - self.allocator.num_free / self.allocator.num_blocks,
             "kv_capacity_tokens": self.allocator.capacity_tokens, "max_num_seqs": self.config.max_num_seqs,
+            "device_class": self.device_class,
             "remaining_tokens": sum(s.remaining_tokens for s in unfinished),
             "remaining_by_seq": {int(s.seq_id): s.remaining_tokens for s in unfinished},
         }
@@ -426,3 +428,17 @@ class Engine:
         """Stop the expert reader threads and close the checkpoint files they read."""
         if self.model.experts is not None:
             self.model.experts.close()
+
+
+def device_class(device: torch.device, dtype: torch.dtype, config: EngineConfig) -> str:
+    """What sets an engine's pace besides the rows it runs: the device model, the dtype, CPU
+    threads, and where experts and KV live. The balancer counts engines of one class as equally
+    fast (cluster/balance.py relative_speeds)."""
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"{torch.get_num_threads()} threads"
+    tiers = ""
+    if config.expert_memory_bytes is not None or config.expert_host_memory_bytes is not None:
+        tiers = f" experts {config.expert_memory_bytes}/{config.expert_host_memory_bytes} B"
+    return f"{device.type} {where} {str(dtype).removeprefix('torch.')}{tiers}{' kv-on-host' if config.kv_cache_on_host else ''}"

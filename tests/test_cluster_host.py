@@ -139,6 +139,7 @@ def test_moved_rows_come_back_from_the_holder(pair: tuple[Bus, Host, Host], spec
     engine = a.runner(spec).call(lambda e: e).result(timeout=30)
     assert report["kv_capacity_tokens"] == engine.allocator.capacity_tokens > 0
     assert report["max_num_seqs"] == engine.config.max_num_seqs > 0
+    assert report["device"] == engine.device_class and "float32" in report["device"]  # equal classes, equal speed
     move_two(a, spec, "B")
     assert finish(a, job) == expected
     assert (a.counters.migrated_out, b.counters.migrated_in, b.counters.returned) == (2, 2, 2)

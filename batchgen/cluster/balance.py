@@ -12,10 +12,14 @@ same function can drive a simulator. One concept covers the three runtime moves 
            coroutine, and so keeps small batches together instead of spreading them thin.
 
 Work is measured in tokens still to generate (the engine's upper bound, max_tokens minus those
-done), divided by each engine's measured speed relative to the others: finishing time. Engines
-whose speeds lie within `speed_tolerance` of each other count as equally fast (a speed measured
-on a different mix of rows is noise, not a slower device); an engine not yet measured counts as
-average. A running coroutine that moves without its KV costs `recompute_weight` decode-token
+done), divided by each engine's measured speed relative to the others: finishing time. A
+measured speed (generated tokens/s at capacity) follows the rows an engine ran as much as its
+hardware: in a simulated fleet of equal GPUs, engines that had run long-prompt rows measured 8x
+less than those that had run reasoning rows, and were sent almost nothing. So engines that
+report their `device` class (hardware and the settings that set its pace) count as equally fast
+within a class, and classes compare by the median speed of their engines; without classes,
+engines whose speeds lie within `speed_tolerance` of each other count as equally fast. An
+engine not yet measured counts as average. A running coroutine that moves without its KV costs `recompute_weight` decode-token
 units per token to recompute.
 """
 from __future__ import annotations
@@ -78,6 +82,7 @@ class EngineLoad:
     speed: float = 0.0  # generated tokens/s it can sustain (peak measured); 0: not measured yet
     kv_capacity_tokens: int = 0  # the KV pool's size; 0: unknown (planned orders not counted in kv_used)
     max_num_seqs: int = 0  # its batch's seats; 0: unknown (incoming running coroutines not bounded by them)
+    device: str = ""  # device class (e.g. "cuda NVIDIA H200 bfloat16"); "": not reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,12 +162,23 @@ class _Node:
 
 def relative_speeds(loads: list[EngineLoad], tolerance: float) -> list[float]:
     """Each engine's speed relative to the mean of the measured ones; 1.0 for the unmeasured,
-    and for all when the measured ones are within `tolerance` of each other."""
-    measured = [load.speed for load in loads if load.speed > 0]
+    and for all when the measured ones are within `tolerance` of each other. When every engine
+    names its device class, an engine's speed is its class's median measured speed: engines of
+    one class are equally fast, whatever rows they happened to run."""
+    if loads and all(load.device for load in loads):
+        by_class: dict[str, list[float]] = {}
+        for load in loads:
+            if load.speed > 0:
+                by_class.setdefault(load.device, []).append(load.speed)
+        median = {k: sorted(v)[len(v) // 2] for k, v in by_class.items()}  # (the upper median)
+        speeds = [median.get(load.device, 0.0) for load in loads]
+    else:
+        speeds = [load.speed for load in loads]
+    measured = [v for v in speeds if v > 0]
     if len(measured) < 2 or max(measured) < tolerance * min(measured):
         return [1.0] * len(loads)
     mean = sum(measured) / len(measured)
-    return [min(10.0, max(0.1, load.speed / mean)) if load.speed > 0 else 1.0 for load in loads]
+    return [min(10.0, max(0.1, v / mean)) if v > 0 else 1.0 for v in speeds]
 
 
 def plan_migrations(loads: Iterable[EngineLoad], config: BalanceConfig | None = None, *,

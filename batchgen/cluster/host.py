@@ -398,7 +398,7 @@ class Host:
                 "kv_used": load.kv_used, "remaining_tokens": load.remaining_tokens,
                 "tokens_per_s": load.tokens_per_s, "generated_tokens": load.generated_tokens, "speed": load.speed,
                 "expert_hit_rate": load.expert_hit_rate, "kv_capacity_tokens": load.kv_capacity_tokens,
-                "max_num_seqs": load.max_num_seqs, "adopted": load.adopted,
+                "max_num_seqs": load.max_num_seqs, "adopted": load.adopted, "device": load.device,
                 "movable": [[c.seq_id, c.remaining, c.num_computed] for c in load.movable],
             }
         with self._lock:

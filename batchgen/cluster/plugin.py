@@ -243,7 +243,7 @@ class BalancePlugin(SchedulerPlugin):
                     int(e["remaining_tokens"]), float(e["kv_used"]), float(e["tokens_per_s"]),
                     tuple(CoroutineInfo(int(s), int(r), int(c)) for s, r, c in e["movable"]),
                     float(e.get("speed", 0.0)), int(e.get("kv_capacity_tokens", 0)),
-                    int(e.get("max_num_seqs", 0))))
+                    int(e.get("max_num_seqs", 0)), str(e.get("device", ""))))
         return loads
 
     def _forget_unsent(self, worker: str, report: dict[str, Any]) -> None:

@@ -63,6 +63,7 @@ class RunnerLoad:
     kv_capacity_tokens: int = 0  # the KV pool's size and the batch's seats: the balancer counts
     max_num_seqs: int = 0  # its planned orders into them
     adopted: int = 0  # coroutines resumed here from other workers so far (in this snapshot)
+    device: str = ""  # the engine's device class (Engine.device_class): equal classes, equal speed
 
 
 Done = Callable[[list[tuple[RowRef, RequestOutput]]], None]
@@ -338,7 +339,8 @@ class EngineRunner:
         self._load = RunnerLoad(True, load["waiting"], load["running"], kv_used,
                                 int(load["remaining_tokens"]), self._meter.tokens_per_s, generated,
                                 reported_movable_rows(movable), self._meter.speed, _expert_hit_rate(engine),
-                                int(load["kv_capacity_tokens"]), seats, self._adopted)
+                                int(load["kv_capacity_tokens"]), seats, self._adopted,
+                                str(load.get("device_class", "")))
 
 
 def _expert_hit_rate(engine: Engine) -> float:

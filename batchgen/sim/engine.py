@@ -106,11 +106,14 @@ class Arrival:
 class SimEngine:
     """One worker's engine for one model, on a simulated clock."""
 
-    def __init__(self, name: str, cost: CostModel, config: EngineSimConfig) -> None:
+    def __init__(self, name: str, cost: CostModel, config: EngineSimConfig, device: str | None = None) -> None:
+        """device: its class for the balancer (equal classes count as equally fast); default:
+        one class per cost model object, so engines built on the same cost model are equal."""
         num_blocks = cost.kv_capacity_tokens // config.block_size
         if num_blocks < 1:
             raise PlanError(f"the KV pool holds {cost.kv_capacity_tokens} tokens: less than one block")
         self.name, self.cost, self.config = name, cost, config
+        self.device = device or f"simulated {type(cost).__name__} {id(cost):x}"
         self.allocator = BlockCounter(num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.waiting = self.scheduler.waiting = WaitingQueue()
@@ -211,7 +214,8 @@ class SimEngine:
         remaining = self.waiting.remaining_tokens + sum([q.params.max_tokens - len(q.output_ids) for q in s.running])
         load = EngineLoad(self.name, "model", True, len(s.waiting), len(s.running), remaining,
                           1 - self.allocator.num_free / self.allocator.num_blocks, self.meter.tokens_per_s,
-                          movable, self.meter.speed, self.allocator.capacity_tokens, self.config.max_num_seqs)
+                          movable, self.meter.speed, self.allocator.capacity_tokens, self.config.max_num_seqs,
+                          self.device)
         self._load = (self.version, load)
         return load
 
