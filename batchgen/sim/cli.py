@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
+
+# From this many rows `plan` spreads the simulated fleet over every core (parallel.py): below,
+# starting the processes costs about what they save.
+PARALLEL_ROWS = 50_000
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -67,6 +72,8 @@ def add_commands(sub: Any) -> None:
                       help="also simulate these fleet sizes, e.g. 8,16,32,64,128")
     plan.add_argument("--png", type=Path, metavar="FILE", help="draw per-worker utilization over time (matplotlib)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.add_argument("--processes", type=int, metavar="N", help="simulate the fleet on N processes (the same "
+                      "result; default: every core for jobs of 50k rows or more, else 1)")
     plan.set_defaults(handler=run_plan_command)
 
     bench = sub.add_parser("bench", help="measure this machine's engine and fit a profile for `plan`",
@@ -122,8 +129,11 @@ def run_plan_command(args: argparse.Namespace) -> int:
     workload, cost, _, what = _load(args)
     engine = EngineSimConfig(args.max_num_seqs, args.max_num_batched_tokens)
     counts = ([args.workers] if args.workers else []) + [w for w in (args.sweep_workers or []) if w != args.workers]
-    reports = [run_plan(workload, cost, engine, ClusterSimConfig(w), keep_timelines=bool(args.png) and i == 0)
-               for i, w in enumerate(counts)]
+    if args.processes is not None and args.processes < 1:
+        raise PlanError(f"--processes must be >= 1, got {args.processes}")
+    processes = args.processes or ((os.cpu_count() or 1) if workload.rows >= PARALLEL_ROWS else 1)
+    reports = [run_plan(workload, cost, engine, ClusterSimConfig(w, processes=processes),
+                        keep_timelines=bool(args.png) and i == 0) for i, w in enumerate(counts)]
     if args.png:
         from .chart import draw_utilization
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cluster.balance import Migration, plan_migrations
+from ..cluster.balance import EngineLoad, Migration, plan_migrations
 from ..errors import PlanError
 from .cost import CostModel
 from .engine import Arrival, EngineSimConfig, SimEngine, make_sequence
@@ -37,10 +37,15 @@ class ClusterSimConfig:
     workers: int
     tick_s: float = 1.0  # how often the policy looks (the plugin's pushes come every 0.2 s; see README)
     cooldown_s: float = PLUGIN_COOLDOWN_S
+    # engines spread over this many processes (parallel.py: the same result, on several cores);
+    # static and batchgen only (dynamic's deal reads every engine between ticks)
+    processes: int = 1
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise PlanError(f"--workers must be >= 1, got {self.workers}")
+        if self.processes < 1:
+            raise PlanError(f"processes must be >= 1, got {self.processes}")
         if not self.tick_s > 0 or self.cooldown_s < 0:
             raise PlanError(f"tick_s must be > 0 and cooldown_s >= 0, got {self.tick_s}, {self.cooldown_s}")
 
@@ -79,33 +84,50 @@ def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, polic
     any decision (wall_s only reports how long it took)."""
     t0 = time.perf_counter()
     orders = moved = 0
+    names = [f"sim-worker-{i:04d}" for i in range(cluster.workers)]
     if isinstance(policy, Dynamic):
         batches: deque[np.ndarray] = deque(np.array_split(np.arange(workload.rows),
                                                           math.ceil(workload.rows / policy.batch_rows)))
-        engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine) for i in range(cluster.workers)]
+        engines = [SimEngine(name, cost, engine) for name in names]
         _run_ticks(engines, cluster, lambda now: _deal(engines, batches, workload, now), lambda: bool(batches))
+    elif not isinstance(policy, (Static, BatchGen)):
+        raise PlanError(f"unknown policy {policy!r}")
+    elif cluster.processes > 1 and cluster.workers > 1:
+        from .parallel import run_parallel
+
+        parts = np.array_split(np.arange(workload.rows), cluster.workers)
+        balancer = _Balancer(None, policy, cluster, names) if isinstance(policy, BatchGen) else None
+        per_engine, moved = run_parallel(workload, cost, engine, names, parts, cluster.processes, balancer,
+                                         cluster.tick_s, keep_timelines)
+        orders = balancer.orders if balancer is not None else 0
+        return _result(policy, cluster, workload, [r[1] for r in per_engine], sum(r[2] for r in per_engine),
+                       [r[3] for r in per_engine], [r[4] for r in per_engine] if keep_timelines else [],
+                       orders, moved, t0)
     else:
-        engines = [SimEngine(f"sim-worker-{i:04d}", cost, engine) for i in range(cluster.workers)]
+        engines = [SimEngine(name, cost, engine) for name in names]
         for e, part in zip(engines, np.array_split(np.arange(workload.rows), cluster.workers)):
             for seq in _rows(workload, part):
                 e.add(seq)
         if isinstance(policy, Static):
             for e in engines:
                 e.run_until(math.inf)
-        elif isinstance(policy, BatchGen):
+        else:
             balancer = _Balancer(engines, policy, cluster)
             _run_ticks(engines, cluster, balancer.tick, lambda: False)
             orders, moved = balancer.orders, balancer.moved
-        else:
-            raise PlanError(f"unknown policy {policy!r}")
-    done = [t for e in engines for _, t in e.finished]
-    failed = sum(len(e.errors) for e in engines)
+    return _result(policy, cluster, workload, [e.finished for e in engines], sum(len(e.errors) for e in engines),
+                   [e.busy_s for e in engines], [tuple(e.timeline) for e in engines] if keep_timelines else [],
+                   orders, moved, t0)
+
+
+def _result(policy: Policy, cluster: ClusterSimConfig, workload: Workload, finished: list[list[tuple[int, float]]],
+            failed: int, busy_s: list[float], timelines: list[tuple], orders: int, moved: int, t0: float) -> SimResult:
+    done = [t for rows in finished for _, t in rows]
     if len(done) + failed != workload.rows:
         raise AssertionError(f"{policy.name}: {len(done)} rows finished and {failed} failed of {workload.rows}")
     bct = max(done, default=0.0)
-    return SimResult(policy.name, cluster.workers, bct, tuple(min(e.busy_s, bct) for e in engines), len(done), failed,
-                     orders, moved, time.perf_counter() - t0,
-                     tuple(tuple(e.timeline) for e in engines) if keep_timelines else ())
+    return SimResult(policy.name, cluster.workers, bct, tuple(min(b, bct) for b in busy_s), len(done), failed,
+                     orders, moved, time.perf_counter() - t0, tuple(timelines))
 
 
 def _run_ticks(engines: list[SimEngine], cluster: ClusterSimConfig, act: Callable[[float], None],
@@ -139,27 +161,36 @@ class _Balancer:
     in `handle_load`, each push plans over every fresh view not in cooldown with the real
     plan_migrations and carries out the orders whose source is the pusher, which puts source and
     destination in cooldown. The plan depends only on those views, so it is recomputed only after
-    an order changed them (the same answer as planning on every push)."""
+    an order changed them (the same answer as planning on every push). `engines` is None when
+    the engines live in other processes (parallel.py): `tick` then gets their loads and hands
+    each order to `carry`."""
 
-    def __init__(self, engines: list[SimEngine], policy: BatchGen, cluster: ClusterSimConfig) -> None:
-        self.engines = {e.name: e for e in engines}
+    def __init__(self, engines: list[SimEngine] | None, policy: BatchGen, cluster: ClusterSimConfig,
+                 names: list[str] | None = None) -> None:
+        self.engines = {e.name: e for e in engines} if engines is not None else {}
+        self.names = [e.name for e in engines] if engines is not None else list(names or ())
         self.policy, self.cluster = policy, cluster
-        self.cooldown_until = {e.name: 0.0 for e in engines}
+        self.cooldown_until = {name: 0.0 for name in self.names}
         self.orders = self.moved = 0
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, loads: dict[str, EngineLoad] | None = None,
+             carry: Callable[[Migration, float], None] | None = None) -> None:
         if not self.policy.balance.enabled:
             return
-        loads = {name: e.load() for name, e in self.engines.items()}
+        if loads is None:
+            loads = {name: e.load() for name, e in self.engines.items()}
+        carry = carry or self._carry_out
         plan = None
-        for pusher in self.engines:
+        for pusher in self.names:
             if plan is None:
                 fresh = [load for name, load in loads.items() if self.cooldown_until[name] <= now]
                 # every partition was dealt at the start (Dask starts them all: tasks secede): none arriving
                 plan = plan_migrations(fresh, self.policy.balance, arriving=False)
             mine = [o for o in plan if o.src == pusher]
             for order in mine:
-                self._carry_out(order, now)
+                carry(order, now)
+                self.orders += 1
+                self.cooldown_until[order.src] = self.cooldown_until[order.dst] = now + self.cluster.cooldown_s
             if mine:
                 plan = None
 
@@ -168,5 +199,3 @@ class _Balancer:
         for seq, kv_tokens in src.suspend(order.seq_ids):
             dst.arrive(Arrival(max(now, src.now) + src.transfer_seconds(kv_tokens), seq, kv_tokens))
             self.moved += 1
-        self.orders += 1
-        self.cooldown_until[order.src] = self.cooldown_until[order.dst] = now + self.cluster.cooldown_s

@@ -108,12 +108,13 @@ class SimEngine:
 
     def __init__(self, name: str, cost: CostModel, config: EngineSimConfig, device: str | None = None) -> None:
         """device: its class for the balancer (equal classes count as equally fast); default:
-        one class per cost model object, so engines built on the same cost model are equal."""
+        one class for every engine of this cost model's kind (a simulated fleet shares one cost
+        model; the name must not depend on the process, parallel.py runs engines in several)."""
         num_blocks = cost.kv_capacity_tokens // config.block_size
         if num_blocks < 1:
             raise PlanError(f"the KV pool holds {cost.kv_capacity_tokens} tokens: less than one block")
         self.name, self.cost, self.config = name, cost, config
-        self.device = device or f"simulated {type(cost).__name__} {id(cost):x}"
+        self.device = device or f"simulated {type(cost).__name__}"
         self.allocator = BlockCounter(num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.waiting = self.scheduler.waiting = WaitingQueue()
