@@ -119,9 +119,11 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
     if args.workers is None and not args.sweep_workers:
         raise PlanError("give --workers W (or --sweep-workers LIST)")
+    if args.workers is not None and args.workers < 1:
+        raise PlanError(f"--workers must be >= 1, got {args.workers}")
     workload, cost, _, what = _load(args)
     engine = EngineSimConfig(args.max_num_seqs, args.max_num_batched_tokens)
-    counts = ([args.workers] if args.workers else []) + [w for w in (args.sweep_workers or []) if w != args.workers]
+    counts = ([args.workers] if args.workers is not None else []) + [w for w in (args.sweep_workers or []) if w != args.workers]
     reports = [run_plan(workload, cost, engine, ClusterSimConfig(w), keep_timelines=bool(args.png) and i == 0)
                for i, w in enumerate(counts)]
     if args.png:
