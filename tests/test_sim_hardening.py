@@ -81,3 +81,105 @@ def test_rows_past_the_pool_are_left_out_of_the_ideal_bound() -> None:
     fits = Workload("w", np.array([100, 200]), np.array([50, 60]), np.array([50, 60]))
     both = Workload("w", np.array([100, 200, 9000]), np.array([50, 60, 30000]), np.array([50, 60, 30000]))
     assert ideal_bound(both, cost, EngineSimConfig(), 1) == ideal_bound(fits, cost, EngineSimConfig(), 1)
+
+
+def test_failed_rows_are_counted_per_policy_and_warned_in_json(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    lengths = tmp_path / "l.csv"
+    lengths.write_text("prompt_tokens,output_tokens\n100000,3\n2,4\n")
+    assert main(["plan", "--lengths", str(lengths), "--workers", "2", "--profile", "H100"]) == 0
+    assert "(static 1, dynamic 1, batchgen 1)" in capsys.readouterr().out  # not 3 rows of 2
+    assert main(["plan", "--lengths", str(lengths), "--workers", "2", "--profile", "H100", "--json"]) == 0
+    cap = capsys.readouterr()
+    assert "count as failed" in cap.err and json.loads(cap.out)["ideal_bct_s"] > 0
+
+
+def test_a_dense_model_that_does_not_fit_is_not_told_to_offload_experts(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    llama70b = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps(llama70b))
+    err = _err(capsys, "--rows", "10", "--workers", "1", "--profile", "A5000", "--model", str(tmp_path))
+    assert "does not fit one A5000" in err and "no experts to offload" in err and "--expert-memory" not in err
+    err = _err(capsys, "--rows", "10", "--workers", "1", "--profile", "A5000", "--model", "deepseek-v3",
+               "--expert-memory", "4GiB")
+    assert "non-expert weights" in err and "cannot help" in err
+
+
+def test_png_without_matplotlib_fails_before_simulating(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import batchgen.sim.cluster as sim_cluster
+
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    monkeypatch.setattr(sim_cluster, "simulate", lambda *a, **k: pytest.fail("simulated before the check"))
+    err = _err(capsys, "--rows", "10", "--workers", "2", "--profile", "H100", "--png", str(tmp_path / "u.png"))
+    assert "pip install 'batchgen[plot]'" in err
+    monkeypatch.undo()
+    assert "no such directory" in _err(capsys, "--rows", "10", "--workers", "2", "--profile", "H100", "--png",
+                                       str(tmp_path / "missing" / "u.png"))
+
+
+def test_bench_sim_million_honours_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--rows 100000 with --million meant 1M rows (100,000 was the default's sentinel)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sim.py"
+    spec = importlib.util.spec_from_file_location("bench_sim", path)
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    calls: list[tuple] = []
+    monkeypatch.setattr(bench, "million", lambda *a: calls.append(a))
+    for argv, rows in ((["--rows", "100000"], 100_000), (["--rows", "300"], 300), ([], 1_000_000)):
+        monkeypatch.setattr("sys.argv", ["bench_sim.py", "--million", *argv])
+        bench.main()
+        assert calls.pop()[0] == rows
+
+
+def test_lengths_files_odd_but_readable_or_clearly_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from batchgen.errors import PlanError
+    from batchgen.sim.workload import load_lengths
+
+    frac = tmp_path / "frac.csv"
+    frac.write_text("prompt_tokens,output_tokens\n5,3.5\n")
+    with pytest.raises(PlanError, match=r"got 3\.5$"):
+        load_lengths(frac)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(PlanError, match="no rows in it"):
+        load_lengths(empty)
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps([{"prompt_tokens": 5, "output_tokens": 6}, {"prompt_tokens": 7, "output_tokens": 8}]))
+    assert load_lengths(array).output_len.tolist() == [6, 8]
+
+
+def test_openai_batch_with_a_mixture_and_an_invalid_line(tmp_path: Path, checkpoint_factory,  # type: ignore[no-untyped-def]
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from batchgen.sim.workload import load_lengths
+
+    model = checkpoint_factory("mixtral")
+    lines = [{"custom_id": str(i), "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "hello world " * (i + 1), "max_tokens": 40}} for i in range(6)]
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+                  "body": {"prompt": "x", "max_tokens": -3}})
+    f = tmp_path / "batch.jsonl"
+    f.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    w = load_lengths(f, model, "mixed")
+    assert w.rows == 6 and (w.output_len <= 40).all()
+    assert "1 invalid request(s)" in capsys.readouterr().err
+
+
+def test_a_calibrated_profile_says_it_ignores_another_models_shapes(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(FITTED))
+    (tmp_path / "other").mkdir()
+    assert main(["plan", "--rows", "20", "--workers", "2", "--profile", str(path), "--model", str(tmp_path / "other"),
+                 "--workload", "classification", "--json"]) == 0
+    assert "was measured with m" in capsys.readouterr().err
+
+
+def test_same_seed_same_plan_other_seed_other_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--rows", "60", "--workers", "3", "--profile", "L4", "--model", "mixtral-8x7b", "--expert-memory", "8GiB",
+            "--workload", "chat"]
+    runs = [main(["plan", *argv, "--seed", s, "--json"]) or capsys.readouterr().out for s in ("3", "3", "4")]
+    assert runs[0] == runs[1] != runs[2]

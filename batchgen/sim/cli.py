@@ -94,6 +94,9 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     from .workload import load_lengths, synthetic
 
     profile = load_profile(args.profile)
+    if isinstance(profile, FittedProfile) and args.model and Path(args.model).name != profile.model:
+        print(f"batchgen plan: warning: profile {profile.name} was measured with {profile.model}; its fitted "
+              f"step times are used as they are, --model {args.model} only tokenizes --lengths", file=sys.stderr)
     model = args.model or (None if isinstance(profile, FittedProfile) else "qwen3-30b-a3b")
     shape = load_shape(model) if model and not isinstance(profile, FittedProfile) else None
     cost = build_cost(profile, shape, ExpertTiers(args.expert_memory))
@@ -115,12 +118,19 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
 def run_plan_command(args: argparse.Namespace) -> int:
     from .cluster import ClusterSimConfig
     from .engine import EngineSimConfig
-    from .plan import format_report, run_plan
+    from .plan import failed_rows_warning, format_report, run_plan
 
     if args.workers is None and not args.sweep_workers:
         raise PlanError("give --workers W (or --sweep-workers LIST)")
     if args.workers is not None and args.workers < 1:
         raise PlanError(f"--workers must be >= 1, got {args.workers}")
+    if args.png:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # before the simulation, not after it
+            raise PlanError("--png needs matplotlib: pip install 'batchgen[plot]'")
+        if not args.png.expanduser().parent.is_dir():
+            raise PlanError(f"--png {args.png}: no such directory {args.png.expanduser().parent}")
     workload, cost, _, what = _load(args)
     engine = EngineSimConfig(args.max_num_seqs, args.max_num_batched_tokens)
     counts = ([args.workers] if args.workers is not None else []) + [w for w in (args.sweep_workers or []) if w != args.workers]
@@ -131,6 +141,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
         draw_utilization(reports[0], args.png)
     if args.json:
+        warning = failed_rows_warning(reports[0])
+        if warning:
+            print(f"batchgen plan: {warning}", file=sys.stderr)
         out = reports[0].to_json()
         if len(reports) > 1:
             out = {**out, "sweep": {str(r.workers): r.to_json() for r in reports}}

@@ -98,9 +98,17 @@ class RooflineCost:
             kv_capacity_tokens = int(free // shape.kv_bytes_per_token)
         if kv_capacity_tokens < 1:
             need = (shape.dense_bytes + on_device) / 2**30
-            raise PlanError(
-                f"{shape.name} does not fit one {gpu.name}: weights on the device need {need:.1f} GiB, "
-                f"{usable / 2**30:.1f} GiB usable; offload experts with --expert-memory (e.g. 4GiB)")
+            if not experts:
+                hint = "a dense model: it has no experts to offload; plan it on a GPU with more memory"
+            elif shape.dense_bytes >= usable:
+                hint = (f"even its non-expert weights ({shape.dense_bytes / 2**30:.1f} GiB) do not fit, so "
+                        "offloading experts cannot help; plan it on a GPU with more memory")
+            elif tiers.device_bytes is None:
+                hint = "offload experts with --expert-memory (e.g. 4GiB)"
+            else:
+                hint = "keep fewer experts on the device (a smaller --expert-memory)"
+            raise PlanError(f"{shape.name} does not fit one {gpu.name}: weights on the device need {need:.1f} GiB, "
+                            f"{usable / 2**30:.1f} GiB usable (no room left for the KV cache); {hint}")
         spilled = experts - on_device
         in_host = min(spilled, gpu.host_memory_bytes * 0.8) if spilled else 0.0
         if spilled > in_host and gpu.disk_bytes_per_s <= 0:
