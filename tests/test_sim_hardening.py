@@ -183,3 +183,23 @@ def test_same_seed_same_plan_other_seed_other_rows(capsys: pytest.CaptureFixture
             "--workload", "chat"]
     runs = [main(["plan", *argv, "--seed", s, "--json"]) or capsys.readouterr().out for s in ("3", "3", "4")]
     assert runs[0] == runs[1] != runs[2]
+
+
+def test_more_bad_inputs_fail_fast(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--seed must be >= 0" in _err(capsys, "--rows", "10", "--workers", "2", "--profile", "H100", "--seed", "-1")
+    too_long = tmp_path / "l.csv"
+    too_long.write_text("prompt_tokens,output_tokens\n100000,3\n")
+    assert "no row fits one worker's KV pool" in _err(capsys, "--lengths", str(too_long), "--workers", "2",
+                                                      "--profile", "H100")
+    bad_k = {**OLMOE, "num_experts_per_tok": 80}
+    (tmp_path / "config.json").write_text(json.dumps(bad_k))
+    assert "experts per token 80" in _err(capsys, "--rows", "10", "--workers", "2", "--profile", "H100",
+                                          "--model", str(tmp_path))
+    for change, message in (({"top_k": 8, "num_experts": 4}, "top_k must be in [1, num_experts=4]"),
+                            ({"expert_traffic": {"per_forward": [[1, 2]]}}, "per_forward: [[tokens"),
+                            ({"expert_traffic": {"per_forward": [["a", 1, 2]]}}, "per_forward: numbers expected")):
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps({**FITTED, **change}))
+        assert message in _err(capsys, "--rows", "10", "--workers", "2", "--profile", str(path))
+    assert main(["bench", "--calibrate", str(tmp_path), "-o", str(tmp_path / "no" / "p.json")]) == 2
+    assert "no such directory" in capsys.readouterr().err

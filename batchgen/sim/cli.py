@@ -93,6 +93,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     from .shapes import load_shape
     from .workload import load_lengths, synthetic
 
+    if args.seed < 0:
+        raise PlanError(f"--seed must be >= 0, got {args.seed}")
     profile = load_profile(args.profile)
     if isinstance(profile, FittedProfile) and args.model and Path(args.model).name != profile.model:
         print(f"batchgen plan: warning: profile {profile.name} was measured with {profile.model}; its fitted "
@@ -110,6 +112,10 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
         raise PlanError("give --rows N (a synthetic workload) or --lengths FILE")
     else:
         workload = synthetic(args.workload, args.rows, args.seed, args.order)
+    pool = cost.kv_capacity_tokens
+    if not (workload.prompt_len + workload.output_len <= pool).any():
+        raise PlanError(f"no row fits one worker's KV pool of {pool} tokens (the shortest needs "
+                        f"{int((workload.prompt_len + workload.output_len).min())}): every row would fail")
     name = shape.name if shape else getattr(profile, "model", "?")
     offload = f", experts on device {args.expert_memory / 2**30:.1f} GiB" if args.expert_memory is not None else ""
     return workload, cost, profile, f"{name} on {profile.name}{offload}"
@@ -168,6 +174,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
     from .profiles import save_profile
 
+    if not args.output.expanduser().parent.is_dir():  # before minutes of measuring, not after
+        raise PlanError(f"-o {args.output}: no such directory {args.output.expanduser().parent}")
     offload = {k: v for k, v in (("expert_memory_bytes", args.expert_memory),
                                  ("expert_host_memory_bytes", args.expert_host_memory)) if v is not None}
     profile = calibrate(args.calibrate, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,

@@ -166,8 +166,14 @@ class ExpertTraffic:
         points = traffic.get("per_forward") or []
         if not points:
             return None
-        arr = np.array(points, dtype=np.float64).reshape(-1, 3)
-        if (arr < 0).any() or (arr[:, 0] < 1).any():
+        try:
+            arr = np.array(points, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"expert_traffic.per_forward: numbers expected: {exc}") from exc
+        if arr.ndim != 2 or arr.shape[1] != 3:
+            raise PlanError(f"expert_traffic.per_forward: [[tokens, host bytes, disk bytes], ...] expected, "
+                            f"got {points[:3]}...")
+        if not np.isfinite(arr).all() or (arr < 0).any() or (arr[:, 0] < 1).any():
             raise PlanError(f"expert_traffic.per_forward: tokens >= 1 and bytes >= 0 expected, got {points[:3]}...")
         arr = arr[np.argsort(arr[:, 0], kind="stable")]
         return cls(arr[:, 0], arr[:, 1], arr[:, 2])

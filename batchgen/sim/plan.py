@@ -117,7 +117,7 @@ def format_report(report: PlanReport, title: str) -> str:
     lines.append(f"{'ideal':10} {_duration(i.bct_s):>12} {report.workers * i.bct_s / 3600:10.2f}   "
                  f"(work / workers {_duration(i.work_s)}, longest row alone {_duration(i.longest_row_s)})")
     names = {r.policy for r in report.results}
-    if "batchgen" in names:
+    if "batchgen" in names and report.by_name("batchgen").bct_s > 0 and i.bct_s > 0:
         b = report.by_name("batchgen").bct_s
         parts = [f"{report.by_name(n).bct_s / b:.2f}x over {n}" for n in ("static", "dynamic") if n in names]
         lines.append(f"batchgen speedup: {', '.join(parts) or '-'}; batchgen / ideal {b / i.bct_s:.3f}")

@@ -81,7 +81,7 @@ class FittedProfile:
     kind: str = "fitted"
 
     def __post_init__(self) -> None:
-        from .cost import FIT_TERMS  # cost imports this module
+        from .cost import FIT_TERMS, ExpertTraffic  # cost imports this module
 
         for name in ("kv_capacity_tokens", "kv_bytes_per_token"):
             _number(self.name, name, getattr(self, name), 1, integer=True)
@@ -89,6 +89,9 @@ class FittedProfile:
             _number(self.name, name, getattr(self, name), 0, integer=True)
         for name in ("network_bytes_per_s", "host_bytes_per_s"):
             _number(self.name, name, getattr(self, name), 0, strict=True)
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise PlanError(f"profile {self.name!r}: top_k must be in [1, num_experts={self.num_experts}], "
+                            f"got {self.top_k}")
         if not isinstance(self.coefficients, dict):
             raise PlanError(f"profile {self.name!r}: coefficients must be an object of {', '.join(FIT_TERMS)}")
         unknown = sorted(set(self.coefficients) - set(FIT_TERMS))
@@ -102,6 +105,7 @@ class FittedProfile:
                             f"(one of {', '.join(FIT_TERMS[:5])} must be > 0)")
         if not isinstance(self.expert_traffic, dict):
             raise PlanError(f"profile {self.name!r}: expert_traffic must be an object")
+        ExpertTraffic.from_profile(self.expert_traffic)  # raises on a malformed per_forward
 
 
 Profile = GpuProfile | FittedProfile

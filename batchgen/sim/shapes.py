@@ -85,6 +85,8 @@ def shape_from_spec(spec: ModelSpec, name: str, bytes_per_param: int = 2) -> Mod
         if isinstance(ffn, MoESpec):
             moe_layers += 1
             experts, top_k = ffn.router.num_experts, ffn.router.top_k
+            if not 1 <= top_k <= experts:
+                raise PlanError(f"model {name!r}: experts per token {top_k} must be in [1, {experts} routed experts]")
             expert = 3 * h * ffn.intermediate_size
             dense += 3 * h * ffn.shared_intermediate_size + h * experts
         else:
