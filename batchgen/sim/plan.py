@@ -27,13 +27,13 @@ class IdealBound:
         return max(self.work_s, self.longest_row_s)
 
 
-def decode_seconds_per_token(cost: CostModel, engine: EngineSimConfig, capacity: int, ctx: np.ndarray) -> np.ndarray:
+def decode_seconds_per_token(cost: CostModel, seats: int, capacity: int, ctx: np.ndarray) -> np.ndarray:
     """phi(ctx): seconds per generated token of a decode step whose rows read `ctx` context
     tokens on average, scaled up until it fills the seats or the KV pool: B = min(seats, pool / ctx)
-    rows. Both cost models satisfy s(lam * x) <= lam * s(x) for lam >= 1 (fixed terms, terms linear
+    rows (seats: max_num_seqs, or the job's rows if fewer). Both cost models satisfy s(lam * x) <= lam * s(x) for lam >= 1 (fixed terms, terms linear
     in the step, experts touched concave through 0), so any real decode step of b rows at mean
     context ctx costs at least b * phi(ctx)."""
-    batch = np.minimum(float(engine.max_num_seqs), capacity / np.maximum(ctx, 1.0))
+    batch = np.minimum(float(seats), capacity / np.maximum(ctx, 1.0))
     kv = batch * ctx
     return np.asarray(cost.step_seconds(batch, batch, kv, kv), dtype=np.float64) / batch
 
@@ -61,9 +61,10 @@ def ideal_bound(workload: Workload, cost: CostModel, engine: EngineSimConfig, wo
     # context of all generated tokens (Jensen over the steps, weighted by their rows).
     grid = np.unique(np.concatenate([np.geomspace(max(1.0, float(p.min())), max(float((p + o).max()), 2.0), 384),
                                      [ctx]]))
-    decode_s = o.sum() * _lower_convex_hull_at(grid, decode_seconds_per_token(cost, engine, capacity, grid), ctx)
+    seats = min(engine.max_num_seqs, len(p))  # a step holds no more rows than the job has
+    decode_s = o.sum() * _lower_convex_hull_at(grid, decode_seconds_per_token(cost, seats, capacity, grid), ctx)
     # prefill tokens ride along the full decode batch: their cost is what they add to its step
-    batch = max(1, min(engine.max_num_seqs, int(capacity // max(ctx, 1.0))))
+    batch = max(1, min(seats, int(capacity // max(ctx, 1.0))))
     kv = batch * ctx
     step = float(cost.step_seconds(batch, batch, kv, kv))
     chunk = max(1, engine.max_num_batched_tokens - batch)
