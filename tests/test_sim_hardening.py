@@ -203,3 +203,19 @@ def test_more_bad_inputs_fail_fast(tmp_path: Path, capsys: pytest.CaptureFixture
         assert message in _err(capsys, "--rows", "10", "--workers", "2", "--profile", str(path))
     assert main(["bench", "--calibrate", str(tmp_path), "-o", str(tmp_path / "no" / "p.json")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_a_calibrated_profile_plans_the_engine_it_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+
+    sim_plan = importlib.import_module("batchgen.sim.plan")  # batchgen.sim.plan is also a function
+    seen: list[EngineSimConfig] = []
+    real = sim_plan.run_plan
+    monkeypatch.setattr(sim_plan, "run_plan", lambda w, c, engine, *a, **k: seen.append(engine) or real(w, c, engine, *a, **k))
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**FITTED, "fit": {"engine": {"max_num_seqs": 8, "max_num_batched_tokens": 2048}}}))
+    argv = ["plan", "--rows", "20", "--workers", "2", "--profile", str(path), "--workload", "classification", "--json"]
+    assert main(argv) == 0 and main([*argv, "--max-num-seqs", "4"]) == 0 and main([*argv[:6], "H100", *argv[7:]]) == 0
+    capsys.readouterr()
+    assert [(e.max_num_seqs, e.max_num_batched_tokens) for e in seen] == [(8, 2048), (4, 2048), (256, 8192)]

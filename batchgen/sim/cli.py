@@ -61,8 +61,10 @@ def add_commands(sub: Any) -> None:
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--expert-memory", type=parse_size, metavar="SIZE", help="device memory for routed "
                       "experts (e.g. 8GiB); the rest is fetched from host memory / disk per forward")
-    plan.add_argument("--max-num-seqs", type=int, default=256, metavar="N")
-    plan.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N")
+    plan.add_argument("--max-num-seqs", type=int, metavar="N", help="seats per engine (default: 256; with a "
+                      "calibrated profile, the engine's it was measured with)")
+    plan.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens per forward (default: "
+                      "8192; with a calibrated profile, the engine's it was measured with)")
     plan.add_argument("--sweep-workers", type=_worker_list, metavar="LIST",
                       help="also simulate these fleet sizes, e.g. 8,16,32,64,128")
     plan.add_argument("--png", type=Path, metavar="FILE", help="draw per-worker utilization over time (matplotlib)")
@@ -121,9 +123,18 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     return workload, cost, profile, f"{name} on {profile.name}{offload}"
 
 
+def _setting(given: int | None, measured: object, default: int) -> int:
+    """An engine setting: the flag, else the calibrated engine's (a fitted profile predicts that
+    engine, `batchgen run`'s defaults), else the GPU default."""
+    if given is not None:
+        return given
+    return measured if isinstance(measured, int) and not isinstance(measured, bool) and measured >= 1 else default
+
+
 def run_plan_command(args: argparse.Namespace) -> int:
     from .cluster import ClusterSimConfig
     from .engine import EngineSimConfig
+    from .profiles import FittedProfile
     from .plan import failed_rows_warning, format_report, run_plan
 
     if args.workers is None and not args.sweep_workers:
@@ -137,8 +148,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
             raise PlanError("--png needs matplotlib: pip install 'batchgen[plot]'")
         if not args.png.expanduser().parent.is_dir():
             raise PlanError(f"--png {args.png}: no such directory {args.png.expanduser().parent}")
-    workload, cost, _, what = _load(args)
-    engine = EngineSimConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    workload, cost, profile, what = _load(args)
+    measured = profile.fit.get("engine", {}) if isinstance(profile, FittedProfile) else {}
+    engine = EngineSimConfig(_setting(args.max_num_seqs, measured.get("max_num_seqs"), 256),
+                             _setting(args.max_num_batched_tokens, measured.get("max_num_batched_tokens"), 8192))
     counts = ([args.workers] if args.workers is not None else []) + [w for w in (args.sweep_workers or []) if w != args.workers]
     reports = [run_plan(workload, cost, engine, ClusterSimConfig(w), keep_timelines=bool(args.png) and i == 0)
                for i, w in enumerate(counts)]
