@@ -57,6 +57,7 @@ def test_gpu_profile_fields_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
     ({"coefficients": {"per_tok_s": 1.0}}, "unknown coefficients ['per_tok_s']"),
     ({"coefficients": {"overhead_s": "a"}}, "coefficients.overhead_s must be a number >= 0"),
     ({"kv_capacity_tokens": "100"}, "kv_capacity_tokens must be an integer >= 1"),
+    ({"fit": []}, "fit must be an object"),
 ])
 def test_fitted_profile_fields_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict,
                                            message: str) -> None:
@@ -101,6 +102,12 @@ def test_a_dense_model_that_does_not_fit_is_not_told_to_offload_experts(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(llama70b))
     err = _err(capsys, "--rows", "10", "--workers", "1", "--profile", "A5000", "--model", str(tmp_path))
     assert "does not fit one A5000" in err and "no experts to offload" in err and "--expert-memory" not in err
+    llama8b = {**llama70b, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32}
+    (tmp_path / "config.json").write_text(json.dumps(llama8b))
+    assert main(["plan", "--rows", "10", "--workers", "1", "--profile", "A5000", "--model", str(tmp_path),
+                 "--expert-memory", "1GiB", "--workload", "classification", "--json"]) == 0
+    assert "is dense: --expert-memory has no routed experts" in capsys.readouterr().err
     err = _err(capsys, "--rows", "10", "--workers", "1", "--profile", "A5000", "--model", "deepseek-v3",
                "--expert-memory", "4GiB")
     assert "non-expert weights" in err and "cannot help" in err

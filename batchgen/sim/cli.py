@@ -103,6 +103,9 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
               f"step times are used as they are, --model {args.model} only tokenizes --lengths", file=sys.stderr)
     model = args.model or (None if isinstance(profile, FittedProfile) else "qwen3-30b-a3b")
     shape = load_shape(model) if model and not isinstance(profile, FittedProfile) else None
+    if shape is not None and args.expert_memory is not None and not shape.num_experts:
+        print(f"batchgen plan: warning: {shape.name} is dense: --expert-memory has no routed experts to offload",
+              file=sys.stderr)
     cost = build_cost(profile, shape, ExpertTiers(args.expert_memory))
     if args.lengths is not None:
         workload = load_lengths(args.lengths, Path(args.model) if args.model else None, args.workload, args.seed)
@@ -149,7 +152,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         if not args.png.expanduser().parent.is_dir():
             raise PlanError(f"--png {args.png}: no such directory {args.png.expanduser().parent}")
     workload, cost, profile, what = _load(args)
-    measured = profile.fit.get("engine", {}) if isinstance(profile, FittedProfile) else {}
+    measured = profile.fit.get("engine") if isinstance(profile, FittedProfile) else None
+    measured = measured if isinstance(measured, dict) else {}
     engine = EngineSimConfig(_setting(args.max_num_seqs, measured.get("max_num_seqs"), 256),
                              _setting(args.max_num_batched_tokens, measured.get("max_num_batched_tokens"), 8192))
     counts = ([args.workers] if args.workers is not None else []) + [w for w in (args.sweep_workers or []) if w != args.workers]

@@ -103,8 +103,9 @@ class FittedProfile:
         if sum(self.coefficients.get(k, 0.0) for k in FIT_TERMS[:5]) <= 0:
             raise PlanError(f"profile {self.name!r}: coefficients give a forward no time "
                             f"(one of {', '.join(FIT_TERMS[:5])} must be > 0)")
-        if not isinstance(self.expert_traffic, dict):
-            raise PlanError(f"profile {self.name!r}: expert_traffic must be an object")
+        for name in ("expert_traffic", "fit"):
+            if not isinstance(getattr(self, name), dict):
+                raise PlanError(f"profile {self.name!r}: {name} must be an object")
         ExpertTraffic.from_profile(self.expert_traffic)  # raises on a malformed per_forward
 
 
