@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from batchgen.cli import main
@@ -15,8 +16,6 @@ from batchgen.sim.plan import ideal_bound, run_plan
 from batchgen.sim.profiles import FittedProfile, load_profile
 from batchgen.sim.shapes import load_shape
 from batchgen.sim.workload import Workload, synthetic
-
-import numpy as np
 
 # OLMoE-1B-7B's published shapes: 64 experts, top 8, no GQA (a large KV per token)
 OLMOE = {"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,

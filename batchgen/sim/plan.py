@@ -30,9 +30,11 @@ class IdealBound:
 def decode_seconds_per_token(cost: CostModel, seats: int, capacity: int, ctx: np.ndarray) -> np.ndarray:
     """phi(ctx): seconds per generated token of a decode step whose rows read `ctx` context
     tokens on average, scaled up until it fills the seats or the KV pool: B = min(seats, pool / ctx)
-    rows (seats: max_num_seqs, or the job's rows if fewer). Both cost models satisfy s(lam * x) <= lam * s(x) for lam >= 1 (fixed terms, terms linear
-    in the step, experts touched concave through 0), so any real decode step of b rows at mean
-    context ctx costs at least b * phi(ctx)."""
+    rows (seats: max_num_seqs, or the job's rows if fewer). Both cost models satisfy
+    s(lam * x) <= lam * s(x) for lam >= 1 (fixed terms, terms linear in the step, experts touched
+    concave through 0), so any real decode step of b rows at mean context ctx costs at least
+    b * phi(ctx). (A calibrated profile's measured expert traffic is interpolated from its
+    points and assumed to grow no faster than its tokens.)"""
     batch = np.minimum(float(seats), capacity / np.maximum(ctx, 1.0))
     kv = batch * ctx
     return np.asarray(cost.step_seconds(batch, batch, kv, kv), dtype=np.float64) / batch

@@ -23,7 +23,8 @@ def _number(profile: str, name: str, value: object, low: float, *, strict: bool 
     (> low with strict); the message names the field, not a comparison's TypeError."""
     kind = "an integer" if integer else "a number"
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or not math.isfinite(value) or value < low or (strict and value == low):  # type: ignore[arg-type]
+    bad = isinstance(value, bool) or not ok or not math.isfinite(value)  # type: ignore[arg-type]
+    if bad or value < low or (strict and value == low):  # type: ignore[operator]
         raise PlanError(f"profile {profile!r}: {name} must be {kind} {'>' if strict else '>='} {low:g}, got {value!r}")
 
 
