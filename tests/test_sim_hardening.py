@@ -225,3 +225,14 @@ def test_a_calibrated_profile_plans_the_engine_it_measured(tmp_path: Path, monke
     assert main(argv) == 0 and main([*argv, "--max-num-seqs", "4"]) == 0 and main([*argv[:6], "H100", *argv[7:]]) == 0
     capsys.readouterr()
     assert [(e.max_num_seqs, e.max_num_batched_tokens) for e in seen] == [(8, 2048), (4, 2048), (256, 8192)]
+
+
+def test_calibrate_bad_settings_fail_with_one_message(tmp_path: Path, checkpoint_factory,  # type: ignore[no-untyped-def]
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    model = checkpoint_factory("mixtral")
+    out = str(tmp_path / "p.json")
+    for flags, message in ((["--threads", "0"], "--threads must be >= 1"),
+                           (["--kv-cache-bytes", "0"], "cannot build the engine"),
+                           (["--kv-cache-bytes", "10KiB"], "the calibration grid needs")):
+        assert main(["bench", "--calibrate", str(model), "-o", out, "--quick", *flags]) == 2
+        assert message in capsys.readouterr().err
