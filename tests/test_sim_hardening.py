@@ -236,3 +236,10 @@ def test_calibrate_bad_settings_fail_with_one_message(tmp_path: Path, checkpoint
                            (["--kv-cache-bytes", "10KiB"], "the calibration grid needs")):
         assert main(["bench", "--calibrate", str(model), "-o", out, "--quick", *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_local_directory_named_like_a_shipped_model_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mixtral-8x7b").mkdir()
+    (tmp_path / "mixtral-8x7b" / "config.json").write_text(json.dumps(OLMOE))
+    monkeypatch.chdir(tmp_path)
+    assert load_shape("mixtral-8x7b").num_experts == 64  # the directory's, not Mixtral's 8
