@@ -243,3 +243,9 @@ def test_a_local_directory_named_like_a_shipped_model_is_read(tmp_path: Path, mo
     (tmp_path / "mixtral-8x7b" / "config.json").write_text(json.dumps(OLMOE))
     monkeypatch.chdir(tmp_path)
     assert load_shape("mixtral-8x7b").num_experts == 64  # the directory's, not Mixtral's 8
+
+
+def test_a_repeated_sweep_count_is_simulated_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--rows", "40", "--profile", "H100", "--sweep-workers", "2,2,4", "--workload", "chat"]) == 0
+    sweep = capsys.readouterr().out.split("sweep (simulated)")[1].splitlines()
+    assert [line.split()[0] for line in sweep[2:]] == ["2", "4"]

@@ -156,8 +156,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     measured = measured if isinstance(measured, dict) else {}
     engine = EngineSimConfig(_setting(args.max_num_seqs, measured.get("max_num_seqs"), 256),
                              _setting(args.max_num_batched_tokens, measured.get("max_num_batched_tokens"), 8192))
-    counts = ([args.workers] if args.workers is not None else []) + \
-        [w for w in (args.sweep_workers or []) if w != args.workers]
+    counts = list(dict.fromkeys(([args.workers] if args.workers is not None else []) + (args.sweep_workers or [])))
     reports = [run_plan(workload, cost, engine, ClusterSimConfig(w), keep_timelines=bool(args.png) and i == 0)
                for i, w in enumerate(counts)]
     if args.png:
