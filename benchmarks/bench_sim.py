@@ -12,7 +12,7 @@
 
     python benchmarks/bench_sim.py                    # (1), both orders, ~5-10 min on 2 cores
     python benchmarks/bench_sim.py --workload mixed --orders random,grouped
-    python benchmarks/bench_sim.py --million          # (2): the batchgen policy on 1M rows
+    python benchmarks/bench_sim.py --million          # (2): the batchgen policy on 1M rows (--rows N: N rows)
     python benchmarks/bench_sim.py --rows 20000 --workers 32 --orders random   # quicker
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def million(rows: int, workers: int, profile: str, model: str, workload: str) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--rows", type=int, default=None, help="rows (default: 100,000; with --million: 1,000,000)")
     ap.add_argument("--workers", type=int, default=128)
     ap.add_argument("--profile", default="H200")
     ap.add_argument("--model", default="qwen3-30b-a3b")
@@ -86,11 +86,13 @@ def main() -> None:
                     "batchgen are the ratios the targets name)")
     ap.add_argument("--million", action="store_true", help="time 1M rows (batchgen policy) instead")
     args = ap.parse_args()
-    if args.million:
-        million(1_000_000 if args.rows == 100_000 else args.rows, args.workers, args.profile, args.model, args.workload)
+    if args.rows is not None and args.rows < 1 or args.workers < 1:
+        ap.error(f"--rows and --workers must be >= 1, got {args.rows} and {args.workers}")
+    if args.million:  # --rows is honoured: the default is the 1M rows the target names
+        million(args.rows or 1_000_000, args.workers, args.profile, args.model, args.workload)
         return
     for order in args.orders.split(","):
-        fleet(args.rows, args.workers, args.profile, args.model, order, args.workload,
+        fleet(args.rows or 100_000, args.workers, args.profile, args.model, order, args.workload,
               tuple(args.policies.split(",")))
 
 

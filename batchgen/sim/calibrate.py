@@ -99,18 +99,27 @@ def calibrate(model_dir: Path, *, dtype: str = "float32", device: str | None = N
     from ..engine import Engine
 
     if threads is not None:
+        if threads < 1:
+            raise PlanError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
 
     if not (Path(model_dir) / "config.json").is_file():
         raise PlanError(f"--calibrate {model_dir}: not a model directory (no config.json)")
-    engine = Engine(model_dir, dtype=dtype, device=device, kv_cache_bytes=kv_cache_bytes, **engine_options)
+    try:
+        engine = Engine(model_dir, dtype=dtype, device=device, kv_cache_bytes=kv_cache_bytes, **engine_options)
+    except (ValueError, AssertionError, RuntimeError) as exc:  # EngineConfig's checks; torch without the device
+        raise PlanError(f"--calibrate {model_dir}: cannot build the engine: {exc}") from exc
     shape = shape_from_spec(engine.model.spec, Path(model_dir).name)
     batches, prompts = QUICK_GRID if quick else GRID
+    steps = DECODE_STEPS if not quick else 8
+    if engine.allocator.capacity_tokens < max(prompts) + steps:
+        raise PlanError(f"--kv-cache-bytes {kv_cache_bytes}: the KV pool holds {engine.allocator.capacity_tokens} "
+                        f"tokens, the calibration grid needs {max(prompts) + steps} for one sequence")
     measure(engine, 2, 8, 2, seed)  # warm-up: first calls allocate and compile
     rows: list[tuple[float, ...]] = []
     for i, b in enumerate(batches):
         for j, p in enumerate(prompts):
-            rows += measure(engine, b, p, DECODE_STEPS if not quick else 8, seed + 10 * i + j)
+            rows += measure(engine, b, p, steps, seed + 10 * i + j)
     coefficients, quality = fit(rows, shape.num_experts, shape.top_k, shape.num_moe_layers)
     traffic = expert_traffic(engine, rows, engine_options)
     cfg = engine.config

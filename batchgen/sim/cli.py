@@ -66,8 +66,10 @@ def add_commands(sub: Any) -> None:
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--expert-memory", type=parse_size, metavar="SIZE", help="device memory for routed "
                       "experts (e.g. 8GiB); the rest is fetched from host memory / disk per forward")
-    plan.add_argument("--max-num-seqs", type=int, default=256, metavar="N")
-    plan.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N")
+    plan.add_argument("--max-num-seqs", type=int, metavar="N", help="seats per engine (default: 256; with a "
+                      "calibrated profile, the engine's it was measured with)")
+    plan.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens per forward (default: "
+                      "8192; with a calibrated profile, the engine's it was measured with)")
     plan.add_argument("--sweep-workers", type=_worker_list, metavar="LIST",
                       help="also simulate these fleet sizes, e.g. 8,16,32,64,128")
     plan.add_argument("--png", type=Path, metavar="FILE", help="draw per-worker utilization over time (matplotlib)")
@@ -100,9 +102,17 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     from .shapes import load_shape
     from .workload import load_lengths, synthetic
 
+    if args.seed < 0:
+        raise PlanError(f"--seed must be >= 0, got {args.seed}")
     profile = load_profile(args.profile)
+    if isinstance(profile, FittedProfile) and args.model and Path(args.model).name != profile.model:
+        print(f"batchgen plan: warning: profile {profile.name} was measured with {profile.model}; its fitted "
+              f"step times are used as they are, --model {args.model} only tokenizes --lengths", file=sys.stderr)
     model = args.model or (None if isinstance(profile, FittedProfile) else "qwen3-30b-a3b")
     shape = load_shape(model) if model and not isinstance(profile, FittedProfile) else None
+    if shape is not None and args.expert_memory is not None and not shape.num_experts:
+        print(f"batchgen plan: warning: {shape.name} is dense: --expert-memory has no routed experts to offload",
+              file=sys.stderr)
     cost = build_cost(profile, shape, ExpertTiers(args.expert_memory))
     if args.lengths is not None:
         workload = load_lengths(args.lengths, Path(args.model) if args.model else None, args.workload, args.seed)
@@ -114,21 +124,46 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
         raise PlanError("give --rows N (a synthetic workload) or --lengths FILE")
     else:
         workload = synthetic(args.workload, args.rows, args.seed, args.order)
+    pool = cost.kv_capacity_tokens
+    if not (workload.prompt_len + workload.output_len <= pool).any():
+        raise PlanError(f"no row fits one worker's KV pool of {pool} tokens (the shortest needs "
+                        f"{int((workload.prompt_len + workload.output_len).min())}): every row would fail")
     name = shape.name if shape else getattr(profile, "model", "?")
     offload = f", experts on device {args.expert_memory / 2**30:.1f} GiB" if args.expert_memory is not None else ""
     return workload, cost, profile, f"{name} on {profile.name}{offload}"
 
 
+def _setting(given: int | None, measured: object, default: int) -> int:
+    """An engine setting: the flag, else the calibrated engine's (a fitted profile predicts that
+    engine, `batchgen run`'s defaults), else the GPU default."""
+    if given is not None:
+        return given
+    return measured if isinstance(measured, int) and not isinstance(measured, bool) and measured >= 1 else default
+
+
 def run_plan_command(args: argparse.Namespace) -> int:
     from .cluster import ClusterSimConfig
     from .engine import EngineSimConfig
-    from .plan import format_report, run_plan
+    from .profiles import FittedProfile
+    from .plan import failed_rows_warning, format_report, run_plan
 
     if args.workers is None and not args.sweep_workers:
         raise PlanError("give --workers W (or --sweep-workers LIST)")
-    workload, cost, _, what = _load(args)
-    engine = EngineSimConfig(args.max_num_seqs, args.max_num_batched_tokens)
-    counts = ([args.workers] if args.workers else []) + [w for w in (args.sweep_workers or []) if w != args.workers]
+    if args.workers is not None and args.workers < 1:
+        raise PlanError(f"--workers must be >= 1, got {args.workers}")
+    if args.png:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # before the simulation, not after it
+            raise PlanError("--png needs matplotlib: pip install 'batchgen[plot]'")
+        if not args.png.expanduser().parent.is_dir():
+            raise PlanError(f"--png {args.png}: no such directory {args.png.expanduser().parent}")
+    workload, cost, profile, what = _load(args)
+    measured = profile.fit.get("engine") if isinstance(profile, FittedProfile) else None
+    measured = measured if isinstance(measured, dict) else {}
+    engine = EngineSimConfig(_setting(args.max_num_seqs, measured.get("max_num_seqs"), 256),
+                             _setting(args.max_num_batched_tokens, measured.get("max_num_batched_tokens"), 8192))
+    counts = list(dict.fromkeys(([args.workers] if args.workers is not None else []) + (args.sweep_workers or [])))
     if args.processes is not None and args.processes < 1:
         raise PlanError(f"--processes must be >= 1, got {args.processes}")
     processes = args.processes or ((os.cpu_count() or 1) if workload.rows >= PARALLEL_ROWS else 1)
@@ -139,6 +174,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
         draw_utilization(reports[0], args.png)
     if args.json:
+        warning = failed_rows_warning(reports[0])
+        if warning:
+            print(f"batchgen plan: {warning}", file=sys.stderr)
         out = reports[0].to_json()
         if len(reports) > 1:
             out = {**out, "sweep": {str(r.workers): r.to_json() for r in reports}}
@@ -163,6 +201,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
     from .profiles import save_profile
 
+    if not args.output.expanduser().parent.is_dir():  # before minutes of measuring, not after
+        raise PlanError(f"-o {args.output}: no such directory {args.output.expanduser().parent}")
     offload = {k: v for k, v in (("expert_memory_bytes", args.expert_memory),
                                  ("expert_host_memory_bytes", args.expert_host_memory)) if v is not None}
     profile = calibrate(args.calibrate, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,

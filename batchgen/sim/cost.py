@@ -98,9 +98,17 @@ class RooflineCost:
             kv_capacity_tokens = int(free // shape.kv_bytes_per_token)
         if kv_capacity_tokens < 1:
             need = (shape.dense_bytes + on_device) / 2**30
-            raise PlanError(
-                f"{shape.name} does not fit one {gpu.name}: weights on the device need {need:.1f} GiB, "
-                f"{usable / 2**30:.1f} GiB usable; offload experts with --expert-memory (e.g. 4GiB)")
+            if not experts:
+                hint = "a dense model: it has no experts to offload; plan it on a GPU with more memory"
+            elif shape.dense_bytes >= usable:
+                hint = (f"even its non-expert weights ({shape.dense_bytes / 2**30:.1f} GiB) do not fit, so "
+                        "offloading experts cannot help; plan it on a GPU with more memory")
+            elif tiers.device_bytes is None:
+                hint = "offload experts with --expert-memory (e.g. 4GiB)"
+            else:
+                hint = "keep fewer experts on the device (a smaller --expert-memory)"
+            raise PlanError(f"{shape.name} does not fit one {gpu.name}: weights on the device need {need:.1f} GiB, "
+                            f"{usable / 2**30:.1f} GiB usable (no room left for the KV cache); {hint}")
         spilled = experts - on_device
         in_host = min(spilled, gpu.host_memory_bytes * 0.8) if spilled else 0.0
         if spilled > in_host and gpu.disk_bytes_per_s <= 0:
@@ -158,8 +166,14 @@ class ExpertTraffic:
         points = traffic.get("per_forward") or []
         if not points:
             return None
-        arr = np.array(points, dtype=np.float64).reshape(-1, 3)
-        if (arr < 0).any() or (arr[:, 0] < 1).any():
+        try:
+            arr = np.array(points, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"expert_traffic.per_forward: numbers expected: {exc}") from exc
+        if arr.ndim != 2 or arr.shape[1] != 3:
+            raise PlanError(f"expert_traffic.per_forward: [[tokens, host bytes, disk bytes], ...] expected, "
+                            f"got {points[:3]}...")
+        if not np.isfinite(arr).all() or (arr < 0).any() or (arr[:, 0] < 1).any():
             raise PlanError(f"expert_traffic.per_forward: tokens >= 1 and bytes >= 0 expected, got {points[:3]}...")
         arr = arr[np.argsort(arr[:, 0], kind="stable")]
         return cls(arr[:, 0], arr[:, 1], arr[:, 2])

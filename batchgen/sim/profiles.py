@@ -6,6 +6,7 @@ was measured with one model on one machine and carries that model's fitted step-
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -14,6 +15,17 @@ from typing import Any
 from ..errors import PlanError
 
 BUILTIN_PROFILES = ("H100", "H200", "A100-80G", "A5000", "L4")
+
+
+def _number(profile: str, name: str, value: object, low: float, *, strict: bool = False,
+            integer: bool = False) -> None:
+    """A hand-written profile's field must be a finite number (an int where asked) >= low
+    (> low with strict); the message names the field, not a comparison's TypeError."""
+    kind = "an integer" if integer else "a number"
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    bad = isinstance(value, bool) or not ok or not math.isfinite(value)  # type: ignore[arg-type]
+    if bad or value < low or (strict and value == low):  # type: ignore[operator]
+        raise PlanError(f"profile {profile!r}: {name} must be {kind} {'>' if strict else '>='} {low:g}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +50,12 @@ class GpuProfile:
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "peak_flops", "hbm_bytes_per_s", "pcie_bytes_per_s", "network_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise PlanError(f"profile {self.name!r}: {name} must be > 0, got {getattr(self, name)!r}")
+            _number(self.name, name, getattr(self, name), 0, strict=True)
+        for name in ("nvlink_bytes_per_s", "host_memory_bytes", "disk_bytes_per_s", "step_overhead_s"):
+            _number(self.name, name, getattr(self, name), 0)
         for name in ("compute_efficiency", "memory_efficiency", "memory_utilization"):
-            if not 0 < getattr(self, name) <= 1:
+            _number(self.name, name, getattr(self, name), 0, strict=True)
+            if getattr(self, name) > 1:
                 raise PlanError(f"profile {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)!r}")
 
 
@@ -68,11 +82,32 @@ class FittedProfile:
     kind: str = "fitted"
 
     def __post_init__(self) -> None:
-        if self.kv_capacity_tokens < 1:
-            raise PlanError(f"profile {self.name!r}: kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
-        bad = {k: v for k, v in self.coefficients.items() if not v >= 0}
-        if bad:
-            raise PlanError(f"profile {self.name!r}: coefficients must be >= 0, got {bad}")
+        from .cost import FIT_TERMS, ExpertTraffic  # cost imports this module
+
+        for name in ("kv_capacity_tokens", "kv_bytes_per_token"):
+            _number(self.name, name, getattr(self, name), 1, integer=True)
+        for name in ("num_experts", "top_k", "num_moe_layers"):
+            _number(self.name, name, getattr(self, name), 0, integer=True)
+        for name in ("network_bytes_per_s", "host_bytes_per_s"):
+            _number(self.name, name, getattr(self, name), 0, strict=True)
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise PlanError(f"profile {self.name!r}: top_k must be in [1, num_experts={self.num_experts}], "
+                            f"got {self.top_k}")
+        if not isinstance(self.coefficients, dict):
+            raise PlanError(f"profile {self.name!r}: coefficients must be an object of {', '.join(FIT_TERMS)}")
+        unknown = sorted(set(self.coefficients) - set(FIT_TERMS))
+        if unknown:
+            raise PlanError(f"profile {self.name!r}: unknown coefficients {unknown} (known: {', '.join(FIT_TERMS)})")
+        for name, value in self.coefficients.items():
+            _number(self.name, f"coefficients.{name}", value, 0)
+        # every forward feeds >= 1 token of >= 1 sequence: some term must charge it time
+        if sum(self.coefficients.get(k, 0.0) for k in FIT_TERMS[:5]) <= 0:
+            raise PlanError(f"profile {self.name!r}: coefficients give a forward no time "
+                            f"(one of {', '.join(FIT_TERMS[:5])} must be > 0)")
+        for name in ("expert_traffic", "fit"):
+            if not isinstance(getattr(self, name), dict):
+                raise PlanError(f"profile {self.name!r}: {name} must be an object")
+        ExpertTraffic.from_profile(self.expert_traffic)  # raises on a malformed per_forward
 
 
 Profile = GpuProfile | FittedProfile

@@ -85,6 +85,8 @@ def shape_from_spec(spec: ModelSpec, name: str, bytes_per_param: int = 2) -> Mod
         if isinstance(ffn, MoESpec):
             moe_layers += 1
             experts, top_k = ffn.router.num_experts, ffn.router.top_k
+            if not 1 <= top_k <= experts:
+                raise PlanError(f"model {name!r}: experts per token {top_k} must be in [1, {experts} routed experts]")
             expert = 3 * h * ffn.intermediate_size
             dense += 3 * h * ffn.shared_intermediate_size + h * experts
         else:
@@ -94,8 +96,9 @@ def shape_from_spec(spec: ModelSpec, name: str, bytes_per_param: int = 2) -> Mod
 
 
 def load_shape(model: str | Path, bytes_per_param: int = 2) -> ModelShape:
-    """A model directory (its config.json) or a shipped name (BUILTIN_MODELS)."""
-    if isinstance(model, str) and model in BUILTIN_MODELS:
+    """A model directory (its config.json) or a shipped name (BUILTIN_MODELS); a directory of
+    that name with a config.json wins over the shipped shapes."""
+    if isinstance(model, str) and model in BUILTIN_MODELS and not (Path(model) / "config.json").is_file():
         text = (resources.files("batchgen.sim") / "models" / f"{model}.json").read_text(encoding="utf-8")
         return shape_from_spec(parse_config(json.loads(text)), model, bytes_per_param)
     path = Path(model).expanduser()

@@ -9,6 +9,7 @@ short both ways.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -140,8 +141,10 @@ def _checked(values: object, column: str, path: Path, low: int) -> np.ndarray:
     bad = s.index[numeric.isna() | (numeric < low) | (numeric != numeric.round())]
     if len(bad):
         row = int(bad[0])
+        value = s.iloc[row]
+        value = value.item() if hasattr(value, "item") else value  # 3.5, not np.float64(3.5)
         raise PlanError(f"--lengths {path}: row {row}, column {column}: expected an integer >= {low}, "
-                        f"got {s.iloc[row]!r}")
+                        f"got {value!r}")
     return numeric.to_numpy(dtype=np.int64)
 
 
@@ -156,10 +159,13 @@ def from_table(path: Path) -> Workload:
             df = pd.read_parquet(path)
         elif suffix == ".csv":
             df = pd.read_csv(path)
-        else:
-            df = pd.read_json(path, lines=True)
+        else:  # JSON Lines; a .json file may also hold one array of row objects
+            array = suffix == ".json" and path.read_text(encoding="utf-8").lstrip().startswith("[")
+            df = pd.read_json(path, lines=not array)
     except (OSError, ValueError) as exc:
         raise PlanError(f"--lengths {path}: cannot read it: {exc}") from exc
+    if not len(df):
+        raise PlanError(f"--lengths {path}: no rows in it")
     columns = [str(c) for c in df.columns]
     prompt_col, output_col = _pick(columns, PROMPT_COLUMNS, path), _pick(columns, OUTPUT_COLUMNS, path)
     prompt = _checked(df[prompt_col], prompt_col, path, 1)
@@ -198,17 +204,28 @@ def from_openai_batch(path: Path, model_dir: Path, kind: str, seed: int) -> Work
     if info.tokenizer is None:
         raise PlanError(f"--lengths {path}: the model {model_dir} has no tokenizer to measure prompts with")
     reader = OpenAIBatchReader(path, RowContext(info.tokenizer, info.vocab_size, info.max_model_len))
-    prompt, max_tokens = [], []
+    if kind not in WORKLOAD_NAMES:
+        raise PlanError(f"--workload {kind!r}: unknown; choose from {', '.join(WORKLOAD_NAMES)}")
+    prompt, max_tokens, invalid = [], [], []
     for req in reader.requests():
         if req.is_valid and req.prompt_token_ids is not None and req.params is not None:
             prompt.append(len(req.prompt_token_ids))
             max_tokens.append(int(req.params.max_tokens))
+        else:
+            invalid.append(req)
+    if invalid:  # the runtime answers these with an error line; they cost no GPU time
+        first = invalid[0]
+        why = first.error.message if first.error is not None else f"line {first.number}: invalid"
+        print(f"batchgen plan: {len(invalid)} invalid request(s) in {path} left out ({why})",
+              file=sys.stderr)
     if not prompt:
         raise PlanError(f"--lengths {path}: no valid requests in it")
-    if kind not in WORKLOADS:
-        raise PlanError(f"--workload {kind!r}: unknown; choose from {', '.join(WORKLOADS)}")
     cap = np.array(max_tokens, dtype=np.int64)
-    output = np.minimum(WORKLOADS[kind].output.draw(np.random.default_rng(seed), len(prompt)), cap)
+    if kind in MIXTURES:  # each row's source drawn at the mixture's shares
+        drawn = synthetic(kind, len(prompt), seed).output_len
+    else:
+        drawn = WORKLOADS[kind].output.draw(np.random.default_rng(seed), len(prompt))
+    output = np.minimum(drawn, cap)
     return Workload(path.stem, np.array(prompt, dtype=np.int64), np.maximum(output, 1), np.maximum(cap, 1))
 
 
