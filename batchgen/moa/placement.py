@@ -287,7 +287,7 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
         rows.append(({y0 + k * W + w: 1.0 for w in range(W)}, 1.0, 1.0))  # each chunk somewhere
         for w in range(W):
             rows.append(({y0 + k * W + w: 1.0, xi[m, w]: -1.0}, -np.inf, 0.0))  # only on a replica
-            if m in si:  # s >= the chunk's longest row wherever the chunk goes
+            if (m, w) in si:  # s >= the chunk's longest row wherever the chunk goes
                 rows.append(({y0 + k * W + w: max(demand[m].tokens[i] for i in flat[k][1]), si[m, w]: -1.0},
                              -np.inf, 0.0))
     for m in stepped:  # s >= the tokens there / max_batch
