@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from distributed import Client
 
     from ..cluster.spec import EngineSpec
+    from ..models.info import ModelInfo
     from ..sampling_params import SamplingParams
 
 LOCAL = "local"  # the worker name of this process, outside Dask
@@ -74,14 +75,21 @@ class ModelPool:
                  costs: Mapping[str, ModelCost] | None = None, worker_memory: int | None = None,
                  rows_per_task: int | None = None, retries: int = 3, time_limit_s: float = 5.0) -> None:
         from ..cluster.spec import EngineSpec
+        from ..models.info import ModelInfo
 
         if not models:
             raise BatchgenError("no models given")
         self.specs: dict[str, EngineSpec] = {name: EngineSpec.make(path, engine_options)
                                              for name, path in models.items()}
+        self.infos: dict[str, ModelInfo] = {}
         for name, spec in self.specs.items():
             if not Path(spec.model, "config.json").is_file():
                 raise BatchgenError(f"model {name!r}: {spec.model} is not a model directory (no config.json)")
+            # what Engine() would refuse (architecture, weights, tokenizer), here and not in every task
+            try:
+                self.infos[name] = ModelInfo.load(spec.model, dict(spec.options).get("max_model_len"))
+            except (BatchgenError, ValueError) as exc:
+                raise BatchgenError(f"model {name!r} ({spec.model}): {exc}") from None
         self.client, self.policy = client, placement
         # scipy.optimize takes a second or two to import: not inside the first plan() (in this
         # process, one worker, greedy always meets the lower bound and no solver runs)
