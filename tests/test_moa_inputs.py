@@ -48,6 +48,8 @@ def make(dirs: dict[str, Path], **kw):
     ({"extract": "regex:("}, "bad regular expression"),
     ({"sampling": {"q": {"max_tokenz": 3}}}, r"sampling\['q'\]: unknown sampling parameter 'max_tokenz'"),
     ({"aggregator": "zz"}, "aggregator 'zz' is neither"),
+    ({"template": "{answers}: {prompt}"}, "template: KeyError\\('answers'\\); it may name only"),
+    ({"engine_options": {"max_num_seqs": -3}}, "engine_options: EngineConfig.max_num_seqs must be a positive"),
 ])
 def test_bad_settings_fail_at_construction(dirs: dict[str, Path], kw: dict, match: str) -> None:
     with pytest.raises(BatchgenError, match=match):
@@ -70,6 +72,8 @@ def test_bad_models_fail_fast_naming_the_model(dirs: dict[str, Path], tmp_path: 
         make(dirs, models={"q": dirs["l"]})
     with pytest.raises(BatchgenError, match=r"chat=True, but models \['p'\] have no chat template"):
         make(dirs, proposers={"l": dirs["l"], "p": dirs["p"]}, chat=True)
+    numbered = make(dirs, proposers={1: dirs["l"], 2: dirs["q"]}, aggregator=1)  # names are matched as text
+    assert numbered.proposers == ["1", "2"] and numbered._experts({}) == ["1", "2"]
     # a dict over the job-wide default: only the keys it sets, aliases as in a request body
     job = make(dirs, sampling={"q": {"max_completion_tokens": 5}})
     assert job.sampling["q"].max_tokens == 5 and job.sampling["q"].ignore_eos and job.sampling["l"].max_tokens == 2

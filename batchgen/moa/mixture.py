@@ -88,15 +88,20 @@ class MoA:
         """proposers: name -> model directory; aggregator: a proposer's name or one of `models`
         (extra name -> directory). k: experts per row (the first k its route names). sampling:
         per model, over `default_sampling` (both SamplingParams or dicts of its fields).
-        chat: render prompts with each model's chat template (None: when the aggregator has one)."""
+        chat: render prompts with the models' chat templates (None: each model that has one; True:
+        every model, each must have one; False: plain text). template: the aggregator's text
+        around the answers ({references}, {prompt})."""
         if not isinstance(proposers, Mapping) or not proposers:
             raise BatchgenError("MoA needs proposers: a non-empty mapping of name -> model directory")
-        clash = {n for n in proposers if n in (models or {}) and Path(models[n]) != Path(proposers[n])}  # type: ignore[index]
+        proposers = {str(n): d for n, d in proposers.items()}  # names are matched as text (routes, columns)
+        models = {str(n): d for n, d in (models or {}).items()}
+        clash = {n for n in proposers if n in models and Path(models[n]) != Path(proposers[n])}
         if clash:
             raise BatchgenError(f"names {sorted(clash)} are both proposers and models, with different directories")
         if "final" in proposers:  # its columns would be final_text and final_answer, the job's own
             raise BatchgenError("a proposer may not be named 'final' (final_text/final_answer are the output's)")
-        self.dirs = {**dict(models or {}), **dict(proposers)}
+        self.dirs = {**models, **proposers}
+        aggregator = str(aggregator)
         if aggregator not in self.dirs:
             raise BatchgenError(f"aggregator {aggregator!r} is neither a proposer nor in models: {sorted(self.dirs)}")
         for name, value in (("k", k), ("layers", layers)):
@@ -118,9 +123,16 @@ class MoA:
         base = _params(default_sampling or {}, "default_sampling")
         self.sampling = {name: base for name in self.dirs}
         for name, value in (sampling or {}).items():
+            name = str(name)
             if name not in self.dirs:
                 raise BatchgenError(f"sampling names {name!r}, which is not a model of this job: {sorted(self.dirs)}")
             self.sampling[name] = _params(value, f"sampling[{name!r}]", base)
+        if template is not None:
+            try:
+                template.format(references="", prompt="")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise BatchgenError(f"template: {exc!r}; it may name only {{references}} and {{prompt}} "
+                                    "(double other braces: {{ }})") from None
         self.prompt_column, self.template = prompt_column, template
         self.pool = ModelPool(self.dirs, client=client, placement=placement, engine_options=engine_options,
                               costs=costs, rows_per_task=rows_per_task, time_limit_s=time_limit_s)
@@ -265,7 +277,7 @@ class MoA:
         stats.expert_stage_s = (expert_last - start) if expert_last else 0.0
         stats.aggregator_stage_s = (agg_last - agg_first) if agg_first and agg_last else 0.0
         stats.rows_aggregated = int(sum(out.aggregated))
-        stats.rows_skipped = sum(1 for i in rows if not out.aggregated[i] and out.confidence[i] is not None)
+        stats.rows_skipped = sum(out.skipped)
         return out.frame(frame)
 
     def _layer_items(self, i: int, row: _Row, prompt: str) -> list[Item]:
@@ -293,6 +305,7 @@ class MoA:
         if v.majority is not None and v.confidence >= self.skip_threshold:
             winner = next(n for n, a in zip(row.experts, answers) if a is not None and _same(a, v.majority))
             out.final_text[i], out.final_answer[i] = row.answers[winner].text, v.majority
+            out.skipped[i] = True
             return True
         return False
 
@@ -302,7 +315,7 @@ class MoA:
         if expert_plan is not None and self.aggregator in expert_plan.replicas:
             return expert_plan
         items = [Item((i, "agg"), self.aggregator, prompts[i], self.sampling[self.aggregator]) for i in range(n_rows)]
-        plan = self.pool.plan(items)
+        plan = self.pool.plan(items, fresh=False)
         # rows go to the least loaded replica as they come (not the rows planned here)
         return replace(plan, rows={w: {} for w in plan.rows})
 
@@ -360,6 +373,7 @@ class _Columns:
         self.answer: dict[str, list[str | None]] = {p: [None] * n for p in proposers}
         self.confidence: list[float | None] = [None] * n
         self.aggregated: list[bool] = [False] * n
+        self.skipped: list[bool] = [False] * n  # took the majority (at or above skip_threshold)
         self.final_text: list[str | None] = [None] * n
         self.final_answer: list[str | None] = [None] * n
         self.error: list[str | None] = [None] * n
