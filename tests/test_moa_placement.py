@@ -66,7 +66,10 @@ def test_ilp_is_optimal_against_brute_force(seed: int) -> None:
     assert p.makespan_s == pytest.approx(best, rel=1e-9, abs=1e-9)
     near = place(demand, costs, workers, "ilp")  # the default gap: within 1% of the optimum
     check_valid(near, demand, costs, workers)
-    assert best - 1e-9 <= near.makespan_s <= best * 1.01 + 1e-9
+    assert best - 1e-9 <= near.makespan_s
+    # proven within the gap, unless its time (capped at what it could save: a wall-clock
+    # limit, which a loaded machine reaches) ran out first
+    assert near.solver == "ilp-incumbent" or near.makespan_s <= best * 1.01 + 1e-9
     for policy in ("round_robin", "data_parallel"):
         try:
             other = place(demand, costs, workers, policy)
@@ -201,3 +204,30 @@ def test_longest_row_bounds_the_forwards_in_the_program() -> None:
     p = place(demand, costs, workers, "ilp", gap=0.0)
     check_valid(p, demand, costs, workers)
     assert best == pytest.approx(5.3) and p.makespan_s == pytest.approx(best, rel=1e-9)
+
+
+def test_greedy_sums_each_row_once_not_per_trial(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 workers, 8 models, ~5,000 rows: the greedy placement tries a replica per (model, worker)
+    on the bottleneck, and once summed every row's work again for every trial (~4 million
+    row_s calls, 2 CPU seconds beside a 0.5 s solver limit). Now each row's sums are kept per
+    chunk: a few calls per row in all."""
+    rng = random.Random(0)
+    demand = {f"m{j}": Demand.of({(j, i): rng.choice([4, 40, 400]) for i in range(rng.randint(300, 1250))})
+              for j in range(8)}
+    costs = {m: ModelCost(rng.choice([1e-4, 5e-4, 2e-3]), rng.choice([0.1, 1.0, 5.0]), rng.choice([1, 2, 3]) << 30,
+                          rng.choice([0, 1e-3]), rng.choice([0, 5e-3]), 64) for m in demand}
+    workers = [WorkerSlot(f"w{i}", 8 << 30) for i in range(16)]
+    calls = 0
+    row_s = ModelCost.row_s
+
+    def counted(self: ModelCost, tokens: float) -> float:
+        nonlocal calls
+        calls += 1
+        return row_s(self, tokens)
+
+    monkeypatch.setattr(ModelCost, "row_s", counted)
+    p = place(demand, costs, workers, time_limit_s=0.5)
+    check_valid(p, demand, costs, workers)
+    rows = sum(len(d.rows) for d in demand.values())
+    assert calls <= 10 * rows, (calls, rows)
+    assert p.makespan_s < place(demand, costs, workers, "round_robin").makespan_s / 2
