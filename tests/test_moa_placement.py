@@ -231,3 +231,12 @@ def test_greedy_sums_each_row_once_not_per_trial(monkeypatch: pytest.MonkeyPatch
     rows = sum(len(d.rows) for d in demand.values())
     assert calls <= 10 * rows, (calls, rows)
     assert p.makespan_s < place(demand, costs, workers, "round_robin").makespan_s / 2
+
+
+def test_plain_demand_dicts_and_wrong_types() -> None:
+    p = place({"m": {0: 5.0, 1: 7.0}}, {"m": ModelCost(0.1)}, [WorkerSlot("a")])  # {row: tokens} is a Demand
+    assert p.rows == {"a": {"m": (1, 0)}} and p.makespan_s == pytest.approx(1.2)
+    with pytest.raises(PlacementError, match="workers must be WorkerSlot values, got 'a'"):
+        place({"m": {0: 5.0}}, {"m": ModelCost(0.1)}, ["a"])  # type: ignore[list-item]
+    with pytest.raises(PlacementError, match="costs must be ModelCost values"):
+        place({"m": {0: 5.0}}, {"m": 0.1}, [WorkerSlot("a")])  # type: ignore[dict-item]

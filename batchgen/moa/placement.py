@@ -58,6 +58,9 @@ def place(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers:
         raise PlacementError(f"gap must be in [0, 1), got {gap!r}")
     if policy not in POLICIES:
         raise PlacementError(f"placement policy {policy!r} unknown; use one of {', '.join(POLICIES)}")
+    # a plain {row: predicted tokens} per model is a Demand too
+    demand = {m: d if isinstance(d, Demand) else Demand.of(d) if isinstance(d, Mapping) else d
+              for m, d in demand.items()}
     _check(demand, costs, workers)
     models = sorted(m for m, d in demand.items() if d.rows)
     if policy == "round_robin":
@@ -71,6 +74,11 @@ def place(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers:
 def _check(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot]) -> None:
     if not workers:
         raise PlacementError("no workers to place models on")
+    for kind, values, cls in (("workers", workers, WorkerSlot), ("demand", demand.values(), Demand),
+                              ("costs", costs.values(), ModelCost)):
+        wrong = [v for v in values if not isinstance(v, cls)]
+        if wrong:
+            raise PlacementError(f"{kind} must be {cls.__name__} values, got {wrong[0]!r}")
     names = [w.name for w in workers]
     if len(set(names)) != len(names):
         raise PlacementError(f"worker names must be unique, got {names}")
