@@ -94,6 +94,11 @@ def test_row_problems_fail_their_rows_alone(dirs: dict[str, Path]) -> None:
     assert isinstance(first["l_text"], str) and isinstance(first["q_text"], str) and pd.isna(first["l_answer"])
     assert first["aggregated"] and isinstance(first["final_text"], str)
     assert "l: extract: ZeroDivisionError: no answer here" in first["error"] and "aggregator: extract" in first["error"]
+    job = make(dirs)
+    job.generate(frame.iloc[:1])
+    stats = dict(job.stats)  # a mapping as well as attributes
+    assert {"expert_stage_s", "aggregator_stage_s", "total_s", "rows_skipped", "rows_aggregated", "placement"} <= set(stats)
+    assert job.stats["rows_skipped"] + job.stats["rows_aggregated"] == 1 and "ilp" in job.stats["placement"]
     with pytest.raises(KeyError, match="route 'nope' is not a column"):
         make(dirs, route="nope").generate(frame)
 

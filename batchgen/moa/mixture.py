@@ -61,9 +61,20 @@ class MoAStats:
     finished_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("expert_stage_s", "aggregator_stage_s", "total_s", "rows",
-                                                "rows_skipped", "rows_aggregated", "placement",
-                                                "predicted_expert_stage_s", "finished_s")}
+        return {k: getattr(self, k) for k in self.keys()}
+
+    # read as a mapping too: job.stats["rows_skipped"], dict(job.stats), "total_s" in job.stats
+    def keys(self) -> tuple[str, ...]:
+        return ("expert_stage_s", "aggregator_stage_s", "total_s", "rows", "rows_skipped", "rows_aggregated",
+                "placement", "predicted_expert_stage_s", "finished_s")
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.keys() and key != "placements":
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys() or key == "placements"
 
 
 @dataclass(slots=True)
