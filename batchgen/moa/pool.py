@@ -76,7 +76,7 @@ class ModelPool:
                  rows_per_task: int | None = None, retries: int = 3, time_limit_s: float = 5.0) -> None:
         from ..cluster.spec import EngineSpec
         from ..config import EngineConfig
-        from ..models.info import ModelInfo
+        from ..models import info as model_info  # torch: not at import (`import batchgen.moa` stays light)
 
         if not models:
             raise BatchgenError("no models given")
@@ -92,7 +92,7 @@ class ModelPool:
                 raise BatchgenError(f"model {name!r}: {spec.model} is not a model directory (no config.json)")
             # what Engine() would refuse (architecture, weights, tokenizer), here and not in every task
             try:
-                self.infos[name] = ModelInfo.load(spec.model, dict(spec.options).get("max_model_len"))
+                self.infos[name] = model_info.ModelInfo.load(spec.model, dict(spec.options).get("max_model_len"))
             except (BatchgenError, ValueError) as exc:
                 raise BatchgenError(f"model {name!r} ({spec.model}): {exc}") from None
         self.client, self.policy = client, placement
