@@ -150,6 +150,8 @@ def test_cli_yaml_maps_and_bad_configs(dirs: dict[str, Path], tmp_path: Path) ->
     for extra in ("k: three\n", "extract: letters\n", "route: experts\n", "workers: two\n"):
         config.write_text(base + extra)
         assert main(["moa", "--config", str(config), "--input", str(rows), "--output", str(tmp_path / "o.jsonl")]) == 2
+    config.write_text(base.replace("q: ", "l: "))  # a proposer named twice (PyYAML alone keeps the last)
+    assert main(["moa", "--config", str(config), "--input", str(rows), "--output", str(tmp_path / "o.jsonl")]) == 2
     config.write_text(base)
     empty, result = tmp_path / "empty.jsonl", tmp_path / "empty_out.jsonl"
     empty.write_text("")

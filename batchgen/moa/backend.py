@@ -36,14 +36,33 @@ def read_map_file(path: Path, what: str) -> dict[str, Any]:
         if path.suffix.lower() == ".toml":
             data = tomllib.loads(text)
         else:
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = _load_yaml(text)
     except Exception as exc:  # noqa: BLE001 - OSError, TOMLDecodeError, yaml.YAMLError: one message
         raise BatchgenError(f"{what} {path}: {exc}") from None
     if not isinstance(data, dict):
         raise BatchgenError(f"{what} {path}: expected a table of keys, got {type(data).__name__}")
     return data
+
+
+def _load_yaml(text: str) -> Any:
+    """yaml.safe_load, but a key given twice in one mapping is an error (PyYAML keeps the last:
+    two proposers of one name would silently be one), as it is in TOML."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return loader.construct_mapping(node)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def parse_models(values: Sequence[str]) -> dict[str, str]:
