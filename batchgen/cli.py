@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = run.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="DIR", help="model directory "
                        "(config.json, *.safetensors, tokenizer.json)")
-    which.add_argument("--models", nargs="+", metavar="NAME=DIR", help="several models (or one models.toml): "
+    which.add_argument("--models", nargs="+", metavar="NAME=DIR", help="several models (or one models.toml / models.yaml): "
                        "each JSONL line runs on the model its body.model names (batchgen/moa/backend.py)")
     run.add_argument("--placement", choices=["ilp", "round_robin", "data_parallel"], default="ilp",
                      help="with --models on a cluster: how models and rows are placed on workers (default: ilp)")

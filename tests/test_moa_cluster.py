@@ -202,3 +202,25 @@ def test_generate_with_model_column_on_dask(client: Client, models: dict[str, Pa
             assert row["finish_reason"] == "error" and "unknown model" in row["error"]
         else:
             assert row["generated_text"] == alone(row["model"], [row["prompt"]], params)[0]
+
+
+def test_worker_close_leaves_the_extensions_dict_alone() -> None:
+    """distributed's Worker.close awaits each extension's close() while iterating
+    worker.extensions; batchgen's deleted its entry there ("dictionary changed size during
+    iteration" at every cluster shutdown, and the nanny killing the worker after 4 s)."""
+    import asyncio
+    import types
+
+    from batchgen.cluster.worker import ensure_side
+
+    worker = types.SimpleNamespace(handlers={}, extensions={"other": object()}, address="tcp://127.0.0.1:1")
+    side = ensure_side(worker)
+    assert worker.extensions[EXTENSION] is side and "batchgen_adopt" in worker.handlers
+
+    async def close_as_dask_does() -> None:
+        for extension in worker.extensions.values():
+            if hasattr(extension, "close"):
+                await extension.close()
+
+    asyncio.run(close_as_dask_does())
+    assert "batchgen_adopt" not in worker.handlers

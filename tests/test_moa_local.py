@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from batchgen.cli import main
-from batchgen.moa import make_extract, vote
+from batchgen.moa import PlacementError, make_extract, vote
 
 
 @pytest.mark.parametrize("spec, text, want", [
@@ -122,6 +122,10 @@ def test_simulated_expert_stage_uses_the_placement() -> None:
     assert len(ilp.placement.replicas["r"]) >= 2 and len(rr.placement.replicas["r"]) == 1
     assert ilp.makespan_s < rr.makespan_s
     assert set(ilp.worker_s) == {"gpu0", "gpu1", "gpu2"}
+    none_routed = simulate_expert_stage(models, {"r": 40, "c": 0, "s": 0}, workers=2, sample_rows=16)["ilp"]
+    assert set(none_routed.placement.replicas) == {"r"}  # a model no row is routed to is not placed
+    with pytest.raises(PlacementError, match="missing \\['s'\\]"):
+        simulate_expert_stage(models, {"r": 40, "c": 1}, workers=2)
 
 
 def test_task_size_follows_the_group(checkpoint_factory) -> None:

@@ -150,8 +150,9 @@ class WorkerSide:
         for order in reply.get("orders", ()):
             self.host.execute(Migration(**{**order, "seq_ids": tuple(order["seq_ids"])}))
 
-    async def aclose(self) -> None:
-        """Stop pushing, remove the handlers, detach the host (running tasks finish without balancing)."""
+    async def aclose(self, detach: bool = True) -> None:
+        """Stop pushing, remove the handlers, detach the host (running tasks finish without balancing).
+        detach: also drop it from worker.extensions (not while Worker.close iterates them)."""
         if self._closed:
             return
         self._closed = True
@@ -162,12 +163,14 @@ class WorkerSide:
         for name in HANDLERS:
             if getattr(self.worker.handlers.get(name), "__self__", None) is self:
                 del self.worker.handlers[name]
-        if self.worker.extensions.get(EXTENSION) is self:
+        if detach and self.worker.extensions.get(EXTENSION) is self:
             del self.worker.extensions[EXTENSION]
         await asyncio.to_thread(self.host.close)
 
-    async def close(self) -> None:  # Worker.close calls extensions' close()
-        await self.aclose()
+    async def close(self) -> None:
+        # Worker.close calls each extension's close() while iterating worker.extensions: deleting
+        # this entry there raised "dictionary changed size during iteration" (and the nanny killed it)
+        await self.aclose(detach=False)
 
 
 def ensure_side(worker: Worker) -> WorkerSide:

@@ -26,18 +26,54 @@ if TYPE_CHECKING:
     from ..outputs import RequestOutput
 
 
+MAP_SUFFIXES = (".toml", ".yaml", ".yml")
+
+
+def read_map_file(path: Path, what: str) -> dict[str, Any]:
+    """A TOML (tomllib) or YAML (PyYAML, a dask dependency) file's top-level table."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix.lower() == ".toml":
+            data = tomllib.loads(text)
+        else:
+            data = _load_yaml(text)
+    except Exception as exc:  # noqa: BLE001 - OSError, TOMLDecodeError, yaml.YAMLError: one message
+        raise BatchgenError(f"{what} {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise BatchgenError(f"{what} {path}: expected a table of keys, got {type(data).__name__}")
+    return data
+
+
+def _load_yaml(text: str) -> Any:
+    """yaml.safe_load, but a key given twice in one mapping is an error (PyYAML keeps the last:
+    two proposers of one name would silently be one), as it is in TOML."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return loader.construct_mapping(node)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_models(values: Sequence[str]) -> dict[str, str]:
-    """`name=DIR ...`, or one TOML file (a [models] table, or name = "dir" at the top)."""
-    if len(values) == 1 and values[0].endswith(".toml"):
+    """`name=DIR ...`, or one TOML/YAML file (a [models] table / `models:` mapping, or name = dir at the top)."""
+    if len(values) == 1 and values[0].lower().endswith(MAP_SUFFIXES):
         path = Path(values[0])
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise BatchgenError(f"--models {path}: {exc}") from None
+        data = read_map_file(path, "--models")
         table = data.get("models", data)
         if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()) or not table:
             raise BatchgenError(f"--models {path}: expected name = \"model dir\" entries (top level or [models])")
-        return dict(table)
+        return {str(k): v for k, v in table.items()}
     models: dict[str, str] = {}
     for value in values:
         name, sep, path = value.partition("=")

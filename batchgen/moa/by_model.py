@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ModelLoadError
 from ..outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -26,8 +27,9 @@ def run_by_model(pdf: pd.DataFrame, models: Mapping[str, str | Path], model_colu
     outputs: list[RequestOutput | None] = [None] * len(requests)
     groups: dict[str, list[int]] = {}
     for i, name in enumerate(pdf[model_column].tolist()):
-        if isinstance(name, str) and name in specs:
-            groups.setdefault(name, []).append(i)
+        key = name if isinstance(name, str) else None if _is_na(name) else str(name)  # {1: dir} names 1 as "1"
+        if key in specs:
+            groups.setdefault(key, []).append(i)
         else:
             outputs[i] = RequestOutput(i, [], [], "", "error",
                                        f"{model_column}={name!r}: unknown model; known: {sorted(specs)}")
@@ -70,4 +72,17 @@ def spec_for_meta(models: Mapping[str, str | Path], options: Mapping[str, Any]) 
 
     if not isinstance(models, Mapping) or not models:
         raise TypeError("with model_column, model must be a non-empty mapping of name -> model directory")
-    return {str(n): EngineSpec.make(p, options) for n, p in models.items()}
+    specs = {str(n): EngineSpec.make(p, options) for n, p in models.items()}
+    for name, spec in specs.items():  # every model, not only those this partition's rows name
+        if not Path(spec.model, "config.json").is_file():
+            raise ModelLoadError(f"model {name!r}: {spec.model} is not a model directory (no config.json)")
+    return specs
+
+
+def _is_na(value: Any) -> bool:
+    import pandas as pd
+
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False

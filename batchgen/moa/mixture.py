@@ -15,6 +15,7 @@ aggregator stage overlaps the experts'. The experts are placed by `place` (`plac
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import BatchgenError
 from ..sampling_params import SamplingParams
 from .agreement import Extract, make_extract, vote
-from .placement import ModelCost, Placement, Policy
+from .placement import POLICIES, ModelCost, Placement, Policy
 from .pool import Item, ModelPool
 
 if TYPE_CHECKING:
@@ -60,9 +61,20 @@ class MoAStats:
     finished_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("expert_stage_s", "aggregator_stage_s", "total_s", "rows",
-                                                "rows_skipped", "rows_aggregated", "placement",
-                                                "predicted_expert_stage_s", "finished_s")}
+        return {k: getattr(self, k) for k in self.keys()}
+
+    # read as a mapping too: job.stats["rows_skipped"], dict(job.stats), "total_s" in job.stats
+    def keys(self) -> tuple[str, ...]:
+        return ("expert_stage_s", "aggregator_stage_s", "total_s", "rows", "rows_skipped", "rows_aggregated",
+                "placement", "predicted_expert_stage_s", "finished_s")
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.keys() and key != "placements":
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys() or key == "placements"
 
 
 @dataclass(slots=True)
@@ -87,39 +99,66 @@ class MoA:
         """proposers: name -> model directory; aggregator: a proposer's name or one of `models`
         (extra name -> directory). k: experts per row (the first k its route names). sampling:
         per model, over `default_sampling` (both SamplingParams or dicts of its fields).
-        chat: render prompts with each model's chat template (None: when the aggregator has one)."""
-        if not proposers:
-            raise BatchgenError("MoA needs at least one proposer")
-        self.dirs = {**dict(models or {}), **dict(proposers)}
+        chat: render prompts with the models' chat templates (None: each model that has one; True:
+        every model, each must have one; False: plain text). template: the aggregator's text
+        around the answers ({references}, {prompt})."""
+        if not isinstance(proposers, Mapping) or not proposers:
+            raise BatchgenError("MoA needs proposers: a non-empty mapping of name -> model directory")
+        proposers = {str(n): d for n, d in proposers.items()}  # names are matched as text (routes, columns)
+        models = {str(n): d for n, d in (models or {}).items()}
+        clash = {n for n in proposers if n in models and Path(models[n]) != Path(proposers[n])}
+        if clash:
+            raise BatchgenError(f"names {sorted(clash)} are both proposers and models, with different directories")
+        if "final" in proposers:  # its columns would be final_text and final_answer, the job's own
+            raise BatchgenError("a proposer may not be named 'final' (final_text/final_answer are the output's)")
+        self.dirs = {**models, **proposers}
+        aggregator = str(aggregator)
         if aggregator not in self.dirs:
             raise BatchgenError(f"aggregator {aggregator!r} is neither a proposer nor in models: {sorted(self.dirs)}")
-        if k < 1 or layers < 1:
-            raise BatchgenError(f"k and layers must be >= 1, got k={k}, layers={layers}")
-        if not 0.0 <= skip_threshold <= 1.0 and skip_threshold != float("inf"):
-            raise BatchgenError(f"skip_threshold must be in [0, 1] (or inf: never skip), got {skip_threshold!r}")
+        for name, value in (("k", k), ("layers", layers)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise BatchgenError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(skip_threshold, bool) or not isinstance(skip_threshold, numbers.Real) or \
+                not (0.0 <= skip_threshold <= 1.0 or skip_threshold == float("inf")):
+            raise BatchgenError(f"skip_threshold must be a number in [0, 1] (or inf: never skip), got {skip_threshold!r}")
+        if not (route is None or isinstance(route, str) or callable(route)):
+            raise BatchgenError(f"route must be a column name, a function of the row or None, got {type(route).__name__}")
+        if placement not in POLICIES:
+            raise BatchgenError(f"placement {placement!r} unknown; use one of {', '.join(POLICIES)}")
         self.proposers, self.aggregator = list(proposers), aggregator
-        self.route, self.k, self.layers, self.skip_threshold = route, k, layers, skip_threshold
-        self.extract = make_extract(extract)
+        self.route, self.k, self.layers, self.skip_threshold = route, int(k), int(layers), float(skip_threshold)
+        try:
+            self.extract = make_extract(extract)
+        except (TypeError, ValueError) as exc:
+            raise BatchgenError(str(exc)) from None
         base = _params(default_sampling or {}, "default_sampling")
         self.sampling = {name: base for name in self.dirs}
         for name, value in (sampling or {}).items():
+            name = str(name)
             if name not in self.dirs:
                 raise BatchgenError(f"sampling names {name!r}, which is not a model of this job: {sorted(self.dirs)}")
             self.sampling[name] = _params(value, f"sampling[{name!r}]", base)
+        if template is not None:
+            try:
+                template.format(references="", prompt="")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise BatchgenError(f"template: {exc!r}; it may name only {{references}} and {{prompt}} "
+                                    "(double other braces: {{ }})") from None
         self.prompt_column, self.template = prompt_column, template
         self.pool = ModelPool(self.dirs, client=client, placement=placement, engine_options=engine_options,
                               costs=costs, rows_per_task=rows_per_task, time_limit_s=time_limit_s)
-        self._tokenizers: dict[str, Any] = {}
-        self.chat = self._has_chat(aggregator) if chat is None else chat
+        # chat: per model, by its own chat template (None), or every model (True: each must have one)
+        self.chat = {name: self._has_chat(name) if chat is None else bool(chat) for name in self.dirs}
+        if chat:
+            plain = sorted(n for n in self.dirs if not self._has_chat(n))
+            if plain:
+                raise BatchgenError(f"chat=True, but models {plain} have no chat template (chat=None: each model "
+                                    "by its own template)")
         self.stats = MoAStats()
 
     # -- prompts ----------------------------------------------------------------------------------
     def _tokenizer(self, name: str) -> Any:
-        if name not in self._tokenizers:
-            from ..models.info import ModelInfo
-
-            self._tokenizers[name] = ModelInfo.load(self.dirs[name]).tokenizer
-        return self._tokenizers[name]
+        return self.pool.infos[name].tokenizer
 
     def _has_chat(self, name: str) -> bool:
         tok = self._tokenizer(name)
@@ -128,7 +167,7 @@ class MoA:
     def _prompt(self, name: str, prompt: str, references: Sequence[str]) -> Any:
         """The text (or, for chat, token ids) model `name` gets for a row; references: earlier answers."""
         refs = "".join(f"\n{i}. {r}" for i, r in enumerate(references, start=1))
-        if self.chat:
+        if self.chat[name]:
             tok = self._tokenizer(name)
             messages = [{"role": "user", "content": prompt}]
             if references:
@@ -141,13 +180,18 @@ class MoA:
 
     def _experts(self, row: Mapping[str, Any]) -> list[str]:
         if self.route is None:
-            names = list(self.proposers)
+            value: Any = list(self.proposers)
         elif callable(self.route):
-            names = list(self.route(row))
+            value = self.route(row)
         else:
             value = row[self.route]
-            names = [value] if isinstance(value, str) else list(value)
-        names = [str(n) for n in names]
+        if isinstance(value, str):
+            value = [value]
+        elif value is None or (not hasattr(value, "__len__") and _is_na(value)):
+            raise BatchgenError("route gave no experts (None/NA)")
+        elif not hasattr(value, "__iter__"):
+            raise BatchgenError(f"route must give a proposer name or a list of them, got {value!r}")
+        names = [str(n) for n in value]
         unknown = [n for n in names if n not in self.proposers]
         if unknown:
             raise BatchgenError(f"route names {unknown}, not proposers of this job: {self.proposers}")
@@ -165,6 +209,8 @@ class MoA:
             frame = frame.compute()
         if self.prompt_column not in frame.columns:
             raise KeyError(f"prompt_column {self.prompt_column!r} is not a column; columns: {list(frame.columns)}")
+        if isinstance(self.route, str) and self.route not in frame.columns:
+            raise KeyError(f"route {self.route!r} is not a column; columns: {list(frame.columns)}")
         self.stats = stats = MoAStats(rows=len(frame))
         start = time.perf_counter()
         records = frame.to_dict("records")
@@ -181,7 +227,11 @@ class MoA:
             except Exception as exc:  # noqa: BLE001 - a bad route value or a failing route function: this row's
                 out.error[i] = f"row {frame.index[i]!r}: route: {exc}"
                 continue
-            first += self._layer_items(i, rows[i], prompts[i])
+            try:
+                first += self._layer_items(i, rows[i], prompts[i])
+            except Exception as exc:  # noqa: BLE001 - its prompt cannot be rendered (chat template): this row's
+                del rows[i]
+                out.error[i] = f"row {frame.index[i]!r}: prompt: {exc}"
         expert_plan = self.pool.plan(first) if first else None
         stats.placements = [expert_plan] if expert_plan else []
         stats.placement = expert_plan.describe() if expert_plan else ""
@@ -207,15 +257,18 @@ class MoA:
                     row.waiting -= 1
                     if row.waiting:
                         continue
-                    if row.layer < self.layers:
-                        row.previous, row.answers, row.layer = row.answers, {}, row.layer + 1
-                        next_layer += self._layer_items(i, row, prompts[i])
-                        continue
-                    if not self._decide(i, row, out):
-                        refs = [row.answers[n].text for n in row.experts if row.answers[n].error is None]
-                        to_aggregate.append(Item((i, "agg"), self.aggregator,
-                                                 self._prompt(self.aggregator, prompts[i], refs),
-                                                 self.sampling[self.aggregator]))
+                    try:
+                        if row.layer < self.layers:
+                            row.previous, row.answers, row.layer = row.answers, {}, row.layer + 1
+                            next_layer += self._layer_items(i, row, prompts[i])
+                            continue
+                        if not self._decide(i, row, out):
+                            refs = [row.answers[n].text for n in row.experts if row.answers[n].error is None]
+                            to_aggregate.append(Item((i, "agg"), self.aggregator,
+                                                     self._prompt(self.aggregator, prompts[i], refs),
+                                                     self.sampling[self.aggregator]))
+                    except Exception as exc:  # noqa: BLE001 - a prompt that cannot be rendered: this row's
+                        out.add_error(i, f"row {frame.index[i]!r}: prompt: {exc}")
                 # the rows this task completed go on together (one task per model and worker, not per row)
                 if next_layer:
                     self.pool.submit(next_layer, expert_plan)
@@ -235,7 +288,7 @@ class MoA:
         stats.expert_stage_s = (expert_last - start) if expert_last else 0.0
         stats.aggregator_stage_s = (agg_last - agg_first) if agg_first and agg_last else 0.0
         stats.rows_aggregated = int(sum(out.aggregated))
-        stats.rows_skipped = sum(1 for i in rows if not out.aggregated[i] and out.confidence[i] is not None)
+        stats.rows_skipped = sum(out.skipped)
         return out.frame(frame)
 
     def _layer_items(self, i: int, row: _Row, prompt: str) -> list[Item]:
@@ -253,7 +306,9 @@ class MoA:
                 out.add_error(i, f"{name}: {o.error}")
                 answers.append(None)
                 continue
-            answer = self.extract(o.text)
+            answer, problem = _extract(self.extract, o.text)
+            if problem:
+                out.add_error(i, f"{name}: {problem}")
             out.text[name][i], out.answer[name][i] = o.text, answer
             answers.append(answer)
         v = vote(answers, len(row.experts))
@@ -261,6 +316,7 @@ class MoA:
         if v.majority is not None and v.confidence >= self.skip_threshold:
             winner = next(n for n, a in zip(row.experts, answers) if a is not None and _same(a, v.majority))
             out.final_text[i], out.final_answer[i] = row.answers[winner].text, v.majority
+            out.skipped[i] = True
             return True
         return False
 
@@ -270,9 +326,28 @@ class MoA:
         if expert_plan is not None and self.aggregator in expert_plan.replicas:
             return expert_plan
         items = [Item((i, "agg"), self.aggregator, prompts[i], self.sampling[self.aggregator]) for i in range(n_rows)]
-        plan = self.pool.plan(items)
+        plan = self.pool.plan(items, fresh=False)
         # rows go to the least loaded replica as they come (not the rows planned here)
         return replace(plan, rows={w: {} for w in plan.rows})
+
+
+def _extract(extract: Extract, text: str) -> tuple[str | None, str | None]:
+    """-> (answer, problem): a user's extract function that raises fails that answer alone;
+    a non-string answer is taken as its str()."""
+    try:
+        answer = extract(text)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"extract: {type(exc).__name__}: {exc}"
+    return (None if answer is None else answer if isinstance(answer, str) else str(answer)), None
+
+
+def _is_na(value: Any) -> bool:
+    import pandas as pd
+
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def _same(a: str, b: str) -> bool:
@@ -286,7 +361,11 @@ def _params(value: SamplingParams | Mapping[str, Any], what: str, base: Sampling
         params = value
     elif isinstance(value, Mapping):
         try:
-            params = replace(base, **value) if base is not None else SamplingParams.from_mapping(value)
+            params = SamplingParams.from_mapping(value)  # unknown keys and aliases as a request body's
+            if base is not None:  # the fields this dict sets, over the job-wide default
+                given = {"max_tokens" if k == "max_completion_tokens" else "logprobs" if k == "top_logprobs" else k
+                         for k, v in value.items() if v is not None}
+                params = replace(base, **{k: getattr(params, k) for k in given})
         except TypeError as exc:
             raise BatchgenError(f"{what}: {exc}") from None
     else:
@@ -305,6 +384,7 @@ class _Columns:
         self.answer: dict[str, list[str | None]] = {p: [None] * n for p in proposers}
         self.confidence: list[float | None] = [None] * n
         self.aggregated: list[bool] = [False] * n
+        self.skipped: list[bool] = [False] * n  # took the majority (at or above skip_threshold)
         self.final_text: list[str | None] = [None] * n
         self.final_answer: list[str | None] = [None] * n
         self.error: list[str | None] = [None] * n
@@ -317,7 +397,10 @@ class _Columns:
         if output.error is not None:
             self.add_error(i, f"aggregator: {output.error}")
             return
-        self.final_text[i], self.final_answer[i] = output.text, extract(output.text)
+        answer, problem = _extract(extract, output.text)
+        if problem:
+            self.add_error(i, f"aggregator: {problem}")
+        self.final_text[i], self.final_answer[i] = output.text, answer
 
     def frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         import pandas as pd

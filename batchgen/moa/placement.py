@@ -32,9 +32,11 @@ honours a time limit while returning its incumbent.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 from .placement_types import (  # noqa: F401  (re-exported: the placement API is imported from here)
     GAP, POLICIES, Demand, ModelCost, Placement, PlacementError, Policy, WorkerSlot,
@@ -56,6 +58,9 @@ def place(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers:
         raise PlacementError(f"gap must be in [0, 1), got {gap!r}")
     if policy not in POLICIES:
         raise PlacementError(f"placement policy {policy!r} unknown; use one of {', '.join(POLICIES)}")
+    # a plain {row: predicted tokens} per model is a Demand too
+    demand = {m: d if isinstance(d, Demand) else Demand.of(d) if isinstance(d, Mapping) else d
+              for m, d in demand.items()}
     _check(demand, costs, workers)
     models = sorted(m for m, d in demand.items() if d.rows)
     if policy == "round_robin":
@@ -69,6 +74,11 @@ def place(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers:
 def _check(demand: Mapping[str, Demand], costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot]) -> None:
     if not workers:
         raise PlacementError("no workers to place models on")
+    for kind, values, cls in (("workers", workers, WorkerSlot), ("demand", demand.values(), Demand),
+                              ("costs", costs.values(), ModelCost)):
+        wrong = [v for v in values if not isinstance(v, cls)]
+        if wrong:
+            raise PlacementError(f"{kind} must be {cls.__name__} values, got {wrong[0]!r}")
     names = [w.name for w in workers]
     if len(set(names)) != len(names):
         raise PlacementError(f"worker names must be unique, got {names}")
@@ -90,57 +100,101 @@ def _chunks(d: Demand, n: int, cost: ModelCost) -> list[list[int]]:
     if len(order) <= n:
         return [[i] for i in order]
     chunks: list[list[int]] = [[] for _ in range(n)]
-    sums = [0.0] * n
+    heap = [(0.0, j) for j in range(n)]  # (work so far, chunk): the least loaded, lowest index on ties
     for i in order:
-        k = min(range(n), key=lambda j: (sums[j], j))
+        work, k = heapq.heappop(heap)
         chunks[k].append(i)
-        sums[k] += cost.row_s(d.tokens[i])
+        heapq.heappush(heap, (work + cost.row_s(d.tokens[i]), k))
     return chunks
 
 
-def _spread(d: Demand, cost: ModelCost, replicas: Sequence[str], base: dict[str, float],
-            units: list[list[int]] | None = None) -> dict[str, list[int]]:
-    """Rows (or `units`, groups of row indices) of one model onto its replicas, largest first to
-    the replica that would finish first counting what it already has (`base`, updated)."""
-    if units is None:
-        units = [[i] for i in range(len(d.rows))]
-    sized = sorted(((sum(cost.row_s(d.tokens[i]) for i in u), u) for u in units), key=lambda su: (-su[0], su[1][:1]))
-    out: dict[str, list[int]] = {w: [] for w in replicas}
-    for work, unit in sized:
-        w = min(replicas, key=lambda w: (base[w], w))
-        out[w].extend(unit)
-        base[w] += work
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    """Rows of one model that go to a replica together (one row, or a chunk), with their sums,
+    so that trial placements do not add up every row again."""
+
+    idx: tuple[int, ...]  # row indices into the model's Demand
+    work: float  # seconds of its rows (ModelCost.row_s)
+    tokens: float  # their predicted tokens
+    longest: float  # the largest row's
+
+
+def _units(d: Demand, cost: ModelCost, groups: Sequence[Sequence[int]] | None = None) -> list[_Unit]:
+    """Rows (or groups of row indices) as units, largest work first (the order _spread deals them)."""
+    if groups is None:
+        groups = [(i,) for i in range(len(d.rows))]
+    units = [_Unit(tuple(g), sum(cost.row_s(d.tokens[i]) for i in g), sum(d.tokens[i] for i in g),
+                   max(d.tokens[i] for i in g)) for g in groups if g]
+    return sorted(units, key=lambda u: (-u.work, u.idx[:1]))
+
+
+def _spread(units: list[_Unit], replicas: Sequence[str], base: dict[str, float]) -> dict[str, list[_Unit]]:
+    """One model's units (largest first) onto its replicas, each to the replica that would finish
+    first counting what it already has (`base`, updated)."""
+    out: dict[str, list[_Unit]] = {w: [] for w in replicas}
+    heap = [(base[w], w) for w in replicas]  # the replica that finishes first, by name on ties
+    heapq.heapify(heap)
+    for unit in units:
+        t, w = heapq.heappop(heap)
+        out[w].append(unit)
+        heapq.heappush(heap, (t + unit.work, w))
+    for t, w in heap:
+        base[w] = t
     return out
+
+
+Groups = dict[str, dict[str, list[_Unit]]]  # model -> worker -> its units there
+
+
+def _deal(replicas: dict[str, list[str]], demand: Mapping[str, Demand], costs: Mapping[str, ModelCost],
+          workers: Sequence[WorkerSlot], units: dict[str, list[_Unit]] | None = None) -> Groups:
+    """Every model's rows (or `units`) spread onto its replicas, the heaviest model first, each
+    replica charged its load first."""
+    base = {w.name: 0.0 for w in workers}
+    order = sorted(replicas, key=lambda m: -costs[m].work_s(demand[m]))
+    for m in order:
+        for w in replicas[m]:
+            base[w] += costs[m].load_s
+    return {m: _spread((units or {}).get(m) or _units(demand[m], costs[m]), replicas[m], base) for m in order}
+
+
+def _times(groups: Groups, costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot]) -> dict[str, float]:
+    """Predicted seconds per worker: per model it holds rows of, load + work + forwards."""
+    worker_s = {w.name: 0.0 for w in workers}
+    for m, by_worker in groups.items():
+        cost = costs[m]
+        for w, us in by_worker.items():
+            if not us:
+                continue
+            worker_s[w] += cost.load_s + sum(u.work for u in us)
+            if cost.seconds_per_step:  # ModelCost.steps_s over the units' sums
+                worker_s[w] += cost.seconds_per_step * max(max(u.longest for u in us),
+                                                           sum(u.tokens for u in us) / cost.max_batch)
+    return worker_s
 
 
 def _finish(policy: str, replicas: dict[str, list[str]], demand: Mapping[str, Demand],
             costs: Mapping[str, ModelCost], workers: Sequence[WorkerSlot], solver: str,
-            assign: dict[str, dict[str, list[int]]] | None = None, units: dict[str, list[list[int]]] | None = None,
+            assign: dict[str, dict[str, list[int]]] | None = None, units: dict[str, list[_Unit]] | None = None,
             **extra: object) -> Placement:
-    """Build the Placement: rows (or `units`) spread onto replicas unless `assign` gives them;
-    replicas left without rows are dropped (and not charged their load)."""
-    base = {w.name: 0.0 for w in workers}
+    """Build the Placement: rows (or `units`, from _units) spread onto replicas unless `assign`
+    gives each worker's row indices; replicas left without rows are dropped (and not charged
+    their load)."""
     if assign is None:
-        for m in sorted(replicas, key=lambda m: -costs[m].work_s(demand[m])):
-            for w in replicas[m]:
-                base[w] += costs[m].load_s
-        assign = {}
-        for m in sorted(replicas, key=lambda m: -costs[m].work_s(demand[m])):
-            assign[m] = _spread(demand[m], costs[m], replicas[m], base, (units or {}).get(m))
+        groups = _deal(replicas, demand, costs, workers, units)
+    else:
+        groups = {m: {w: _units(demand[m], costs[m], [idx]) for w, idx in by_worker.items()}
+                  for m, by_worker in assign.items()}
+    worker_s = _times(groups, costs, workers)
     rows: dict[str, dict[str, tuple[Hashable, ...]]] = {w.name: {} for w in workers}
-    worker_s = {w.name: 0.0 for w in workers}
     used: dict[str, list[str]] = {}
-    for m, by_worker in assign.items():
-        d = demand[m]
-        for w, idx in by_worker.items():
-            if not idx:
-                continue
-            rows[w][m] = tuple(d.rows[i] for i in idx)
-            worker_s[w] += (costs[m].load_s + sum(costs[m].row_s(d.tokens[i]) for i in idx)
-                            + costs[m].steps_s([d.tokens[i] for i in idx]))
-            used.setdefault(m, []).append(w)
-    order = {w.name: i for i, w in enumerate(workers)}
-    reps = {m: tuple(sorted(ws, key=order.__getitem__)) for m, ws in used.items()}
+    for m, by_worker in groups.items():
+        for w, us in by_worker.items():
+            if us:
+                rows[w][m] = tuple(demand[m].rows[i] for u in us for i in u.idx)
+                used.setdefault(m, []).append(w)
+    position = {w.name: i for i, w in enumerate(workers)}
+    reps = {m: tuple(sorted(ws, key=position.__getitem__)) for m, ws in used.items()}
     return Placement(policy, reps, rows, worker_s, solver=solver, **extra)  # type: ignore[arg-type]
 
 
@@ -195,24 +249,27 @@ def _greedy(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str,
         replicas[m] = [w.name]
         mem[w.name] += costs[m].memory_bytes
         load[w.name] += costs[m].load_s + work[m]
-    best = _finish("ilp", replicas, demand, costs, workers, "greedy", units=chunks)
+    units = {m: _units(demand[m], costs[m], chunks[m]) for m in models}  # summed once for every trial
+    best = _deal(replicas, demand, costs, workers, units)
+    best_s = _times(best, costs, workers)
     while True:
-        bottleneck = max(best.worker_s, key=best.worker_s.__getitem__)
-        trial_best: tuple[Placement, str, str] | None = None
-        for m in best.rows[bottleneck]:
+        bottleneck = max(best_s, key=best_s.__getitem__)
+        trial_best: tuple[Groups, dict[str, float], str, str] | None = None
+        for m in [m for m, by_worker in best.items() if by_worker.get(bottleneck)]:
             if len(replicas[m]) >= caps[m]:
                 continue
             for w in workers:
                 if w.name in replicas[m] or not _fits(mem, w, costs[m].memory_bytes):
                     continue
-                trial = _finish("ilp", {**replicas, m: replicas[m] + [w.name]}, demand, costs, workers, "greedy",
-                                units=chunks)
-                if trial.makespan_s < (trial_best[0].makespan_s if trial_best else best.makespan_s) - 1e-12:
-                    trial_best = (trial, m, w.name)
+                trial = _deal({**replicas, m: replicas[m] + [w.name]}, demand, costs, workers, units)
+                trial_s = _times(trial, costs, workers)
+                if max(trial_s.values()) < max((trial_best[1] if trial_best else best_s).values()) - 1e-12:
+                    trial_best = (trial, trial_s, m, w.name)
         if trial_best is None:
             final = _finish("ilp", replicas, demand, costs, workers, "greedy")
-            return final if final.makespan_s <= best.makespan_s else best
-        best, m, w_name = trial_best
+            chunked = _finish("ilp", replicas, demand, costs, workers, "greedy", units=units)
+            return final if final.makespan_s <= chunked.makespan_s else chunked
+        best, best_s, m, w_name = trial_best
         replicas = {**replicas, m: replicas[m] + [w_name]}
         mem[w_name] += costs[m].memory_bytes
 
@@ -267,7 +324,7 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
         time_limit_s = min(time_limit_s, greedy.makespan_s - bound)
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_array
+    from scipy.sparse import coo_array
 
     caps = _caps(models, demand, costs, len(workers), chunks, given,
                  greedy.makespan_s if greedy is not None else math.inf)
@@ -287,7 +344,7 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
         rows.append(({y0 + k * W + w: 1.0 for w in range(W)}, 1.0, 1.0))  # each chunk somewhere
         for w in range(W):
             rows.append(({y0 + k * W + w: 1.0, xi[m, w]: -1.0}, -np.inf, 0.0))  # only on a replica
-            if m in si:  # s >= the chunk's longest row wherever the chunk goes
+            if (m, w) in si:  # s >= the chunk's longest row wherever the chunk goes
                 rows.append(({y0 + k * W + w: max(demand[m].tokens[i] for i in flat[k][1]), si[m, w]: -1.0},
                              -np.inf, 0.0))
     for m in stepped:  # s >= the tokens there / max_batch
@@ -306,12 +363,16 @@ def _ilp(models: list[str], demand: Mapping[str, Demand], costs: Mapping[str, Mo
         time_row.update({si[m, w]: costs[m].seconds_per_step for m in stepped})
         time_row[t] = -1.0
         rows.append((time_row, -np.inf, 0.0))
-    A = lil_array((len(rows), n))
     lo, hi = np.empty(len(rows)), np.empty(len(rows))
+    ri: list[int] = []
+    ci: list[int] = []
+    vals: list[float] = []
     for r, (coefs, low, high) in enumerate(rows):
-        for j, v in coefs.items():
-            A[r, j] = v
+        ri += [r] * len(coefs)
+        ci += coefs.keys()
+        vals += coefs.values()
         lo[r], hi[r] = low, high
+    A = coo_array((vals, (ri, ci)), shape=(len(rows), n))
     c = np.zeros(n)
     c[t] = 1.0
     integrality = np.ones(n)

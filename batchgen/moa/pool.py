@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from distributed import Client
 
     from ..cluster.spec import EngineSpec
+    from ..models.info import ModelInfo
     from ..sampling_params import SamplingParams
 
 LOCAL = "local"  # the worker name of this process, outside Dask
@@ -74,14 +75,26 @@ class ModelPool:
                  costs: Mapping[str, ModelCost] | None = None, worker_memory: int | None = None,
                  rows_per_task: int | None = None, retries: int = 3, time_limit_s: float = 5.0) -> None:
         from ..cluster.spec import EngineSpec
+        from ..config import EngineConfig
+        from ..models import info as model_info  # torch: not at import (`import batchgen.moa` stays light)
 
         if not models:
             raise BatchgenError("no models given")
         self.specs: dict[str, EngineSpec] = {name: EngineSpec.make(path, engine_options)
                                              for name, path in models.items()}
+        try:  # a bad value fails here once, not in every task on every worker
+            EngineConfig.from_kwargs(**dict(engine_options or {}))
+        except ValueError as exc:
+            raise BatchgenError(f"engine_options: {exc}") from None
+        self.infos: dict[str, ModelInfo] = {}
         for name, spec in self.specs.items():
             if not Path(spec.model, "config.json").is_file():
                 raise BatchgenError(f"model {name!r}: {spec.model} is not a model directory (no config.json)")
+            # what Engine() would refuse (architecture, weights, tokenizer), here and not in every task
+            try:
+                self.infos[name] = model_info.ModelInfo.load(spec.model, dict(spec.options).get("max_model_len"))
+            except (BatchgenError, ValueError) as exc:
+                raise BatchgenError(f"model {name!r} ({spec.model}): {exc}") from None
         self.client, self.policy = client, placement
         # scipy.optimize takes a second or two to import: not inside the first plan() (in this
         # process, one worker, greedy always meets the lower bound and no solver runs)
@@ -125,16 +138,18 @@ class ModelPool:
             raise BatchgenError("the cluster has no workers")
         return slots
 
-    def plan(self, items: Sequence[Item], policy: Policy | None = None) -> Placement:
-        """Place the models these items need (and their rows); pin the replica sets on Dask."""
+    def plan(self, items: Sequence[Item], policy: Policy | None = None, *, fresh: bool = True) -> Placement:
+        """Place the models these items need (and their rows); pin the replica sets on Dask.
+        fresh: a new job (finished_s counts from here); False: more models for the running one."""
         rows: dict[str, dict[Hashable, float]] = {}
         for item in items:
             if item.model not in self.specs:
                 raise BatchgenError(f"model {item.model!r} is not one of this job's models: {sorted(self.specs)}")
             rows.setdefault(item.model, {})[item.key] = item.predicted_tokens()
         demand = {m: Demand.of(r) for m, r in rows.items()}
-        self._started = time.monotonic()
-        self.finished_s = {}
+        if fresh:
+            self._started = time.monotonic()
+            self.finished_s = {}
         placement = place(demand, {m: self.cost(m) for m in demand}, self.workers(), policy or self.policy,
                           time_limit_s=self.time_limit_s)
         self._replicas.update(placement.replicas)

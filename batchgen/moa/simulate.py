@@ -49,10 +49,16 @@ def simulate_expert_stage(models: Mapping[str, SimModel], rows_per_model: Mappin
     from ..sim.shapes import load_shape
     from ..sim.workload import Workload, synthetic
 
+    missing = sorted(set(models) - set(rows_per_model))
+    if missing or any(n < 0 for n in rows_per_model.values()):
+        raise PlacementError(f"rows_per_model needs a count >= 0 for every model; missing {missing}, "
+                             f"given {dict(rows_per_model)}")
     gpu = load_profile(profile)
     engine = EngineSimConfig()
     loads, costs, demand = {}, {}, {}
     for k, (name, m) in enumerate(sorted(models.items())):
+        if rows_per_model[name] == 0:  # no rows routed to it: not placed, as in place()
+            continue
         shape = load_shape(m.shape)
         cost = build_cost(gpu, shape)
         w = synthetic(m.workload, rows_per_model[name], seed=seed + k)
