@@ -286,8 +286,13 @@ class DiffusionEngine:
         for t in waiting:
             req = t.request
             gen = torch.Generator(device="cpu").manual_seed(req.seed)
-            sched = schedulers.make_scheduler(pipe.scheduler_class, pipe.scheduler_config, req.num_inference_steps,
-                                              self.device)
+            try:
+                sched = schedulers.make_scheduler(pipe.scheduler_class, pipe.scheduler_config, req.num_inference_steps,
+                                                  self.device)
+            except ValueError as exc:  # e.g. more steps than the scheduler's num_train_timesteps
+                t.error = f"num_inference_steps {req.num_inference_steps}: {exc}"
+                t.move(Status.FAILED, "rejected at admission")
+                continue
             shape = (1, pipe.latent_channels, t.height // pipe.vae_scale_factor, t.width // pipe.vae_scale_factor)
             latents = torch.randn(shape, generator=gen, dtype=pipe.transformer.dtype).to(self.device)
             if pipe.family == "pixart":  # DiTPipeline does not scale its initial noise

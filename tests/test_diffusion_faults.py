@@ -1,0 +1,95 @@
+"""Faults and corners found by review: DiT with Euler vs diffusers, requests a scheduler refuses,
+non-finite guidance, and pipeline directories broken in ways that used to pass load."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import tiny_diffusion as tiny  # noqa: E402
+
+from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
+from batchgen.errors import ModelLoadError, RequestError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dit_dir(tmp_path_factory: pytest.TempPathFactory):
+    return tiny.build_dit(tmp_path_factory.mktemp("dit_f") / "pipe", layers=1)
+
+
+@pytest.fixture(scope="module")
+def pix_dir(tmp_path_factory: pytest.TempPathFactory):
+    return tiny.build_pixart(tmp_path_factory.mktemp("pix_f") / "pipe", layers=1)
+
+
+def test_dit_euler_matches_diffusers(dit_dir, tmp_path):
+    # DiTPipeline hands the scheduler the *scaled* model input as the sample; Euler's scaling
+    # is not the identity, so stepping from the unscaled latents gave another image.
+    path = tiny.with_scheduler(dit_dir, tmp_path / "euler", "euler")
+    reqs = [ImageRequest(class_label=5, num_inference_steps=4, guidance_scale=1.0, seed=2),
+            ImageRequest(class_label=3, num_inference_steps=3, guidance_scale=2.5, seed=7)]
+    for r, o in zip(reqs, DiffusionEngine(path).generate_outputs(reqs)):
+        ref = tiny.reference_dit(path, r.class_label, r.num_inference_steps, r.guidance_scale, r.seed)
+        assert (torch.from_numpy(o.array) - ref).abs().max() <= 1e-4
+
+
+def test_requests_the_scheduler_or_guidance_refuse_fail_alone(dit_dir):
+    out = DiffusionEngine(dit_dir).generate([
+        ImageRequest(class_label=1, num_inference_steps=2000),         # DDIM: > num_train_timesteps
+        ImageRequest(class_label=1, num_inference_steps=2, guidance_scale=float("inf")),
+        ImageRequest(class_label=1, num_inference_steps=2, guidance_scale=float("nan")),
+        ImageRequest(class_label=2, num_inference_steps=2)])
+    assert isinstance(out[0], RequestError) and "num_inference_steps 2000" in str(out[0])
+    assert isinstance(out[1], RequestError) and "guidance_scale" in str(out[1]) and "inf" in str(out[1])
+    assert isinstance(out[2], RequestError) and "guidance_scale" in str(out[2])
+    assert out[3].size == (16, 16)
+
+
+def _copy(src, tmp_path, name):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit(path, **kw):
+    data = json.loads(path.read_text())
+    data.update(kw)
+    path.write_text(json.dumps(data))
+
+
+def test_broken_dit_dirs_fail_at_load_naming_the_part(dit_dir, tmp_path):
+    d = _copy(dit_dir, tmp_path, "sched")
+    _edit(d / "scheduler" / "scheduler_config.json", beta_schedule="nonsense")  # used to fail at the first request
+    with pytest.raises(ModelLoadError, match="scheduler_config.json.*nonsense"):
+        DiffusionEngine(d)
+    d = _copy(dit_dir, tmp_path, "layers")
+    _edit(d / "transformer" / "config.json", num_layers=2)  # weights hold 1 block
+    with pytest.raises(ModelLoadError, match="transformer.*weights missing.*transformer_blocks.1"):
+        DiffusionEngine(d)
+    d = _copy(dit_dir, tmp_path, "entry")
+    _edit(d / "model_index.json", transformer="DiTTransformer2DModel")
+    with pytest.raises(ModelLoadError, match="entry 'transformer' must be"):
+        DiffusionEngine(d)
+    d = _copy(dit_dir, tmp_path, "list")
+    (d / "model_index.json").write_text("[]")
+    with pytest.raises(ModelLoadError, match="not a JSON object"):
+        DiffusionEngine(d)
+
+
+def test_broken_text_encoder_fails_at_load(pix_dir, tmp_path):
+    d = _copy(pix_dir, tmp_path, "t5")
+    (d / "text_encoder" / "model.safetensors").write_bytes(b"garbage" * 10)
+    with pytest.raises(ModelLoadError, match="text encoder.*SafetensorError"):
+        DiffusionEngine(d, max_sequence_length=tiny.T5_MAX_LENGTH)
+    d = _copy(pix_dir, tmp_path, "t5layers")
+    _edit(d / "text_encoder" / "config.json", num_layers=3)  # used to fail at the first prompt
+    with pytest.raises(ModelLoadError, match="T5 weights missing.*encoder.block.2"):
+        DiffusionEngine(d, max_sequence_length=tiny.T5_MAX_LENGTH)
+    d = _copy(pix_dir, tmp_path, "tok")
+    (d / "tokenizer" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        DiffusionEngine(d, max_sequence_length=tiny.T5_MAX_LENGTH)
