@@ -93,3 +93,26 @@ def test_broken_text_encoder_fails_at_load(pix_dir, tmp_path):
     (d / "tokenizer" / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="tokenizer"):
         DiffusionEngine(d, max_sequence_length=tiny.T5_MAX_LENGTH)
+
+
+def test_images_jsonl_ids_sizes_and_seeds(dit_dir, tmp_path):
+    from batchgen.cli import main
+
+    def line(cid, body):
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/images/generations", "body": body})
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join([
+        line("a b", {"class_label": 1, "num_inference_steps": 2, "seed": 1}),
+        line("a_b", {"class_label": 2, "num_inference_steps": 2, "seed": 2}),   # used to overwrite "a b"'s PNG
+        line("under", {"class_label": 1, "size": "1_6x16", "num_inference_steps": 2}),  # int() reads "1_6" as 16
+        line("bool", {"class_label": 1, "seed": True, "num_inference_steps": 2}),       # True + 0 was seed 1
+        line("spaced", {"class_label": 1, "size": " 16 X 12 ", "num_inference_steps": 2})]) + "\n")
+    assert main(["run", "--model", str(dit_dir), "--input", str(inp), "--output", str(out)]) == 0
+    recs = {r["custom_id"]: r["response"] for r in map(json.loads, out.read_text().splitlines())}
+    urls = [recs[k]["body"]["data"][0]["url"] for k in ("a b", "a_b")]
+    assert urls[0] != urls[1]
+    from PIL import Image
+    assert Image.open(recs["spaced"]["body"]["data"][0]["url"]).size == (16, 12)
+    assert recs["under"]["status_code"] == 400 and "body.size" in recs["under"]["body"]["error"]["message"]
+    assert recs["bool"]["status_code"] == 400 and "seed" in recs["bool"]["body"]["error"]["message"]
