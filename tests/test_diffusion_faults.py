@@ -116,3 +116,35 @@ def test_images_jsonl_ids_sizes_and_seeds(dit_dir, tmp_path):
     assert Image.open(recs["spaced"]["body"]["data"][0]["url"]).size == (16, 12)
     assert recs["under"]["status_code"] == 400 and "body.size" in recs["under"]["body"]["error"]["message"]
     assert recs["bool"]["status_code"] == 400 and "seed" in recs["bool"]["body"]["error"]["message"]
+
+
+def test_a_forward_or_decode_that_raises_fails_only_its_request(dit_dir, monkeypatch):
+    import batchgen.diffusion.denoise as denoise
+    import batchgen.diffusion.engine as engine_mod
+
+    reqs = [ImageRequest(class_label=1, num_inference_steps=3, guidance_scale=2.0, seed=0),
+            ImageRequest(class_label=7, num_inference_steps=3, guidance_scale=2.0, seed=1),   # its forward raises
+            ImageRequest(class_label=2, height=32, width=16, num_inference_steps=2, seed=2),  # its decode raises
+            ImageRequest(class_label=3, num_inference_steps=2, guidance_scale=1.0, seed=3)]
+    want = DiffusionEngine(dit_dir).generate_outputs([reqs[0], reqs[3]])
+    predict, decode = denoise.predict, engine_mod.decode
+
+    def bad_predict(pipe, x, t, cond, sp=None):
+        if 7 in cond["class_labels"].tolist():
+            raise RuntimeError("out of memory (injected)")
+        return predict(pipe, x, t, cond, sp)
+
+    def bad_decode(pipe, latents):
+        if any(z.shape[-2] == 16 for z in latents):
+            raise RuntimeError("decode (injected)")
+        return decode(pipe, latents)
+
+    monkeypatch.setattr(denoise, "predict", bad_predict)
+    monkeypatch.setattr(engine_mod, "decode", bad_decode)
+    engine = DiffusionEngine(dit_dir)
+    outs = engine.generate_outputs(reqs)
+    assert "denoising step 0 failed" in outs[1].error and "out of memory (injected)" in outs[1].error
+    assert "VAE decode failed" in outs[2].error
+    for got, ref in zip((outs[0], outs[3]), want):
+        assert got.error is None and abs(got.array - ref.array).max() <= 1e-4
+    assert not engine.has_unfinished()
