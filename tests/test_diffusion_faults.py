@@ -148,3 +148,20 @@ def test_a_forward_or_decode_that_raises_fails_only_its_request(dit_dir, monkeyp
     for got, ref in zip((outs[0], outs[3]), want):
         assert got.error is None and abs(got.array - ref.array).max() <= 1e-4
     assert not engine.has_unfinished()
+
+
+def test_pixart_sigma_matches_diffusers(pix_dir, tmp_path):
+    import diffusers
+
+    d = _copy(pix_dir, tmp_path, "sigma")
+    _edit(d / "model_index.json", _class_name="PixArtSigmaPipeline")
+    reqs = [ImageRequest(prompt="a red fox", height=16, width=24, num_inference_steps=3, guidance_scale=4.5, seed=0),
+            ImageRequest(prompt="the cat", height=16, width=24, num_inference_steps=2, guidance_scale=1.0, seed=2)]
+    outs = DiffusionEngine(d, max_sequence_length=tiny.T5_MAX_LENGTH).generate_outputs(reqs)
+    pipe = diffusers.PixArtSigmaPipeline.from_pretrained(d)
+    pipe.set_progress_bar_config(disable=True)
+    for r, o in zip(reqs, outs):
+        ref = pipe(r.prompt, height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
+                   guidance_scale=r.guidance_scale, generator=torch.Generator().manual_seed(r.seed), output_type="np",
+                   use_resolution_binning=False, clean_caption=False, max_sequence_length=tiny.T5_MAX_LENGTH).images[0]
+        assert abs(o.array - ref).max() <= 2e-4
