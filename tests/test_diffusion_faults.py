@@ -13,7 +13,7 @@ pytest.importorskip("diffusers")
 import tiny_diffusion as tiny  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
-from batchgen.errors import ModelLoadError, RequestError  # noqa: E402
+from batchgen.errors import ModelLoadError, RequestError, UnsupportedModelError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,8 @@ def test_broken_dit_dirs_fail_at_load_naming_the_part(dit_dir, tmp_path):
     _edit(d / "model_index.json", transformer="DiTTransformer2DModel")
     with pytest.raises(ModelLoadError, match="entry 'transformer' must be"):
         DiffusionEngine(d)
+    with pytest.raises(UnsupportedModelError, match="dtype 'fp32'"):
+        DiffusionEngine(dit_dir, dtype="fp32")
     d = _copy(dit_dir, tmp_path, "list")
     (d / "model_index.json").write_text("[]")
     with pytest.raises(ModelLoadError, match="not a JSON object"):
@@ -108,7 +110,8 @@ def test_images_jsonl_ids_sizes_and_seeds(dit_dir, tmp_path):
         line("under", {"class_label": 1, "size": "1_6x16", "num_inference_steps": 2}),  # int() reads "1_6" as 16
         line("bool", {"class_label": 1, "seed": True, "num_inference_steps": 2}),       # True + 0 was seed 1
         line("spaced", {"class_label": 1, "size": " 16 X 12 ", "num_inference_steps": 2})]) + "\n")
-    assert main(["run", "--model", str(dit_dir), "--input", str(inp), "--output", str(out)]) == 0
+    # --dtype auto (the CLI's documented default) used to reach getattr(torch, "auto")
+    assert main(["run", "--model", str(dit_dir), "--input", str(inp), "--output", str(out), "--dtype", "auto"]) == 0
     recs = {r["custom_id"]: r["response"] for r in map(json.loads, out.read_text().splitlines())}
     urls = [recs[k]["body"]["data"][0]["url"] for k in ("a b", "a_b")]
     assert urls[0] != urls[1]

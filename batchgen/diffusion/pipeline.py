@@ -133,7 +133,7 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
     import torch
     import diffusers
 
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = _torch_dtype(dtype)
     transformer = _load_module(getattr(diffusers, TRANSFORMERS[family]), root / "transformer", torch_dtype)
     vae = _load_module(diffusers.AutoencoderKL, root / "vae", torch_dtype)
     pipe = Pipeline(path=root, pipeline_class=cls, family=family, transformer=transformer.to(device).eval(),
@@ -144,6 +144,18 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
         _load_text(pipe, root, index, torch_dtype, device)
         pipe.max_sequence_length = int(max_sequence_length or MAX_SEQUENCE_LENGTH[cls])
     return pipe
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    """"auto" / None -> float32 (the exact one; diffusers configs name no dtype); a name or torch dtype."""
+    import torch
+
+    if dtype is None or dtype == "auto":
+        return torch.float32
+    value = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise UnsupportedModelError(f"dtype {dtype!r} is not supported (auto, float32, bfloat16, float16)")
+    return value
 
 
 def _load_module(cls: Any, folder: Path, torch_dtype: Any) -> Any:
