@@ -74,6 +74,8 @@ def test_broken_dit_dirs_fail_at_load_naming_the_part(dit_dir, tmp_path):
     _edit(d / "model_index.json", transformer="DiTTransformer2DModel")
     with pytest.raises(ModelLoadError, match="entry 'transformer' must be"):
         DiffusionEngine(d)
+    with pytest.raises(ValueError, match="max_batch_rows must be a positive integer, got 0"):
+        DiffusionEngine(dit_dir, max_batch_rows=0)
     with pytest.raises(UnsupportedModelError, match="dtype 'fp32'"):
         DiffusionEngine(dit_dir, dtype="fp32")
     d = _copy(dit_dir, tmp_path, "list")

@@ -50,6 +50,9 @@ class DiffusionEngine:
         """Load the pipeline at `model` (ModelLoadError / UnsupportedModelError name what is wrong).
         policy: "fcfs" | "srwf" | "deadline"; max_batch_rows / max_batch_tokens: the most rows
         (CFG rows count twice) / image tokens in one step's forwards."""
+        for name, value in (("max_batch_rows", max_batch_rows), ("max_batch_tokens", max_batch_tokens)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.pipe = load_pipeline(model, dtype=dtype, device=self.device, max_sequence_length=max_sequence_length)
         self.model_key = str(self.pipe.path.resolve())
