@@ -118,6 +118,7 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
     """Load every component; an unsupported pipeline class, transformer or scheduler fails here."""
     root, index, cls = read_index(path)
     family = PIPELINES[cls][0]
+    torch_dtype = _torch_dtype(dtype)
     sched_file = root / "scheduler" / "scheduler_config.json"
     try:
         sched_config = json.loads(sched_file.read_text(encoding="utf-8"))
@@ -130,10 +131,8 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
     except Exception as exc:  # noqa: BLE001 - diffusers raises ValueError, NotImplementedError, ...
         raise ModelLoadError(f"{sched_file}: cannot build {sched_class} ({type(exc).__name__}: {exc})") from exc
 
-    import torch
     import diffusers
 
-    torch_dtype = _torch_dtype(dtype)
     transformer = _load_module(getattr(diffusers, TRANSFORMERS[family]), root / "transformer", torch_dtype)
     vae = _load_module(diffusers.AutoencoderKL, root / "vae", torch_dtype)
     pipe = Pipeline(path=root, pipeline_class=cls, family=family, transformer=transformer.to(device).eval(),
