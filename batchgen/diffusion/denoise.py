@@ -76,7 +76,12 @@ def apply_output(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], out:
             pred = pred[:, :c]
         t = lv.scheduler.timesteps[traj.step]
         kwargs: dict[str, Any] = {"generator": lv.generator} if lv.stochastic else {}
-        result = lv.scheduler.step(pred, t, traj.latents[None], return_dict=False, **kwargs)
+        sample = traj.latents[None]
+        if pipe.family == "dit":
+            # DiTPipeline steps from the *scaled* model input (the identity for DDIM and
+            # DPM-Solver, sample / sqrt(sigma^2 + 1) for Euler): kept for equal images.
+            sample = lv.scheduler.scale_model_input(sample, t)
+        result = lv.scheduler.step(pred, t, sample, return_dict=False, **kwargs)
         # PixArt takes the predicted original sample when only one step is asked for.
         take = 1 if pipe.family == "pixart" and traj.num_steps == 1 and len(result) > 1 else 0
         traj.latents = result[take][0]

@@ -50,6 +50,9 @@ class DiffusionEngine:
         """Load the pipeline at `model` (ModelLoadError / UnsupportedModelError name what is wrong).
         policy: "fcfs" | "srwf" | "deadline"; max_batch_rows / max_batch_tokens: the most rows
         (CFG rows count twice) / image tokens in one step's forwards."""
+        for name, value in (("max_batch_rows", max_batch_rows), ("max_batch_tokens", max_batch_tokens)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.pipe = load_pipeline(model, dtype=dtype, device=self.device, max_sequence_length=max_sequence_length)
         self.model_key = str(self.pipe.path.resolve())
@@ -123,8 +126,26 @@ class DiffusionEngine:
             views = [self._view(t) for t in running]
             now = time.time() if now is None else now
             for group in plan_step(views, self.policy, now, self.cost, self.max_batch_rows, self.max_batch_tokens):
-                self._forward([self._trajs[tid] for tid in group])
+                self._forward_contained([self._trajs[tid] for tid in group])
         return self.collect()
+
+    def _forward_contained(self, trajs: list[Trajectory]) -> None:
+        """_forward, where one that raises (out of memory for one huge image, ...) fails only the
+        trajectories that cannot step: a failed group is retried one trajectory at a time."""
+        before = [t.step for t in trajs]
+        try:
+            self._forward(trajs)
+            return
+        except Exception as exc:  # noqa: BLE001 - the request fails, the job goes on
+            if len(trajs) == 1:
+                self.fail(trajs[0].tid, f"denoising step {before[0]} failed: {type(exc).__name__}: {exc}")
+                return
+        for t, step in zip(trajs, before):
+            if t.step != step:  # stepped before the failure
+                if t.remaining_steps == 0:
+                    t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
+                continue
+            self._forward_contained([t])
 
     def suspend(self, tid: int) -> bytes:
         """Take a trajectory out at its step boundary -> bytes that `resume` (here or on another
@@ -286,8 +307,13 @@ class DiffusionEngine:
         for t in waiting:
             req = t.request
             gen = torch.Generator(device="cpu").manual_seed(req.seed)
-            sched = schedulers.make_scheduler(pipe.scheduler_class, pipe.scheduler_config, req.num_inference_steps,
-                                              self.device)
+            try:
+                sched = schedulers.make_scheduler(pipe.scheduler_class, pipe.scheduler_config, req.num_inference_steps,
+                                                  self.device)
+            except ValueError as exc:  # e.g. more steps than the scheduler's num_train_timesteps
+                t.error = f"num_inference_steps {req.num_inference_steps}: {exc}"
+                t.move(Status.FAILED, "rejected at admission")
+                continue
             shape = (1, pipe.latent_channels, t.height // pipe.vae_scale_factor, t.width // pipe.vae_scale_factor)
             latents = torch.randn(shape, generator=gen, dtype=pipe.transformer.dtype).to(self.device)
             if pipe.family == "pixart":  # DiTPipeline does not scale its initial noise
@@ -304,8 +330,22 @@ class DiffusionEngine:
         for t in ready:
             by_shape.setdefault(t.latent_shape, []).append(t)
         for group in by_shape.values():
-            for t, image in zip(group, decode(self.pipe, [t.latents for t in group])):
-                self._finish(t, ImageOutput(index=t.tid, image=to_pil(image), array=image, steps=t.step))
+            self._decode_group(group)
+
+    def _decode_group(self, group: list[Trajectory]) -> None:
+        """One VAE call for same-shape trajectories; one that raises is retried one by one."""
+        try:
+            images = decode(self.pipe, [t.latents for t in group])
+        except Exception as exc:  # noqa: BLE001 - the request fails, the job goes on
+            if len(group) == 1:
+                self._finish(group[0], ImageOutput(index=group[0].tid, steps=group[0].step,
+                                                   error=f"VAE decode failed: {type(exc).__name__}: {exc}"))
+            else:
+                for t in group:
+                    self._decode_group([t])
+            return
+        for t, image in zip(group, images):
+            self._finish(t, ImageOutput(index=t.tid, image=to_pil(image), array=image, steps=t.step))
 
     def _finish(self, t: Trajectory, out: ImageOutput) -> None:
         t.move(Status.FINISHED if out.error is None else Status.FAILED, "output ready")

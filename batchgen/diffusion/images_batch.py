@@ -14,6 +14,8 @@ rules and `--resume` are those of the text batch format (io/openai_batch.py, io/
 from __future__ import annotations
 
 import base64
+import hashlib
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ URL = "/v1/images/generations"
 BODY_FIELDS = {"prompt", "class_label", "size", "n", "seed", "num_inference_steps", "guidance_scale",
                "response_format", "model"}
 MAX_N = 10
+_SIZE = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*", re.ASCII)
 
 
 @dataclass
@@ -65,12 +68,11 @@ def _parse_body(line: Line, body: dict[str, Any]) -> None:
     size = body.get("size")
     height = width = None
     if size is not None:
-        try:
-            w_text, h_text = str(size).lower().split("x")
-            width, height = int(w_text), int(h_text)
-        except ValueError:
+        match = _SIZE.fullmatch(size) if isinstance(size, str) else None
+        if match is None:
             req.fail("invalid_size", "must be 'WIDTHxHEIGHT'", "body.size", size)
             return
+        width, height = int(match[1]), int(match[2])
     n = body.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         req.fail("invalid_n", f"must be an integer in 1..{MAX_N}", "body.n", n)
@@ -82,8 +84,9 @@ def _parse_body(line: Line, body: dict[str, Any]) -> None:
     line.response_format = fmt
     seed = body.get("seed", 0)
     kw = {k: body[k] for k in ("prompt", "class_label", "num_inference_steps", "guidance_scale") if k in body}
+    counted = isinstance(seed, int) and not isinstance(seed, bool)  # otherwise ImageRequest names it
     for i in range(n):
-        line.images.append(ImageRequest(height=height, width=width, seed=seed + i if isinstance(seed, int) else seed, **kw))
+        line.images.append(ImageRequest(height=height, width=width, seed=seed + i if counted else seed, **kw))
 
 
 class ImagesSink(JsonlSink):
@@ -160,8 +163,13 @@ def run_images_file(engine: DiffusionEngine, input_path: Path, output_path: Path
 
 
 def _safe(req: Request) -> str:
+    """A file name for the line's PNGs; a custom_id changed by the cleaning (or cut) gets a hash
+    of itself, so ids like "a b" and "a_b" never share a file."""
     key = req.custom_id if req.custom_id is not None else f"line{req.number}"
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:100]
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in key)[:100]
+    if safe != key:
+        safe += "-" + hashlib.sha1(key.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return safe
 
 
 def run_cli(args: Any) -> int:
@@ -177,7 +185,8 @@ def run_cli(args: Any) -> int:
         raise BatchgenError(f"--input {inp}: no such file")
     if out.exists() and not (args.resume or args.overwrite):
         raise BatchgenError(f"--output {out} exists: pass --resume to continue it or --overwrite to replace it")
-    engine = DiffusionEngine(args.model, dtype=getattr(args, "dtype", None) or "float32")
+    engine = DiffusionEngine(args.model, dtype=getattr(args, "dtype", None) or "auto",
+                             device=getattr(args, "device", None))
     start = time.monotonic()
     counts = run_images_file(engine, inp, out, resume=bool(args.resume))
     print(f"batchgen: wrote {out}: {counts['lines']} lines: {counts['succeeded']} succeeded, {counts['errors']} errors; "

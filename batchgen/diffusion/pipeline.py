@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelLoadError, UnsupportedModelError
-from .schedulers import check_scheduler
+from .schedulers import check_scheduler, make_scheduler
 
 # pipeline class -> (family, components it must have)
 PIPELINES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -92,6 +92,8 @@ def read_index(path: str | os.PathLike) -> tuple[Path, dict[str, Any], str]:
         index = json.loads(index_file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{index_file}: unreadable ({exc})") from exc
+    if not isinstance(index, dict):
+        raise ModelLoadError(f"{index_file}: not a JSON object")
     cls = index.get("_class_name")
     if cls not in PIPELINES:
         raise UnsupportedModelError(f"{root}: pipeline class {cls!r} is not supported "
@@ -99,6 +101,8 @@ def read_index(path: str | os.PathLike) -> tuple[Path, dict[str, Any], str]:
     family, needed = PIPELINES[cls]
     for name in needed:
         entry = index.get(name)
+        if entry is not None and not (isinstance(entry, list) and len(entry) == 2):
+            raise ModelLoadError(f"{root}: model_index.json entry {name!r} must be [library, class], got {entry!r}")
         if not entry or entry[1] is None or not (root / name).is_dir():
             raise ModelLoadError(f"{root}: {cls} needs a {name!r} component (model_index.json entry and {name}/ folder)")
     if index["transformer"][1] != TRANSFORMERS[family]:
@@ -114,6 +118,7 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
     """Load every component; an unsupported pipeline class, transformer or scheduler fails here."""
     root, index, cls = read_index(path)
     family = PIPELINES[cls][0]
+    torch_dtype = _torch_dtype(dtype)
     sched_file = root / "scheduler" / "scheduler_config.json"
     try:
         sched_config = json.loads(sched_file.read_text(encoding="utf-8"))
@@ -121,16 +126,15 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
         raise ModelLoadError(f"{sched_file}: unreadable ({exc})") from exc
     sched_class = index["scheduler"][1]
     check_scheduler(sched_class, sched_config, where=str(root), family=family)
+    try:  # a bad config value fails here, not at the first request
+        make_scheduler(sched_class, sched_config, 1)
+    except Exception as exc:  # noqa: BLE001 - diffusers raises ValueError, NotImplementedError, ...
+        raise ModelLoadError(f"{sched_file}: cannot build {sched_class} ({type(exc).__name__}: {exc})") from exc
 
-    import torch
     import diffusers
 
-    torch_dtype = getattr(torch, dtype)
-    try:
-        transformer = getattr(diffusers, TRANSFORMERS[family]).from_pretrained(root / "transformer", torch_dtype=torch_dtype)
-        vae = diffusers.AutoencoderKL.from_pretrained(root / "vae", torch_dtype=torch_dtype)
-    except (OSError, ValueError, EnvironmentError) as exc:
-        raise ModelLoadError(f"{root}: cannot load transformer/vae ({exc})") from exc
+    transformer = _load_module(getattr(diffusers, TRANSFORMERS[family]), root / "transformer", torch_dtype)
+    vae = _load_module(diffusers.AutoencoderKL, root / "vae", torch_dtype)
     pipe = Pipeline(path=root, pipeline_class=cls, family=family, transformer=transformer.to(device).eval(),
                     vae=vae.to(device).eval(), scheduler_class=sched_class, scheduler_config=sched_config)
     if family == "dit":
@@ -139,6 +143,31 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
         _load_text(pipe, root, index, torch_dtype, device)
         pipe.max_sequence_length = int(max_sequence_length or MAX_SEQUENCE_LENGTH[cls])
     return pipe
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    """"auto" / None -> float32 (the exact one; diffusers configs name no dtype); a name or torch dtype."""
+    import torch
+
+    if dtype is None or dtype == "auto":
+        return torch.float32
+    value = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise UnsupportedModelError(f"dtype {dtype!r} is not supported (auto, float32, bfloat16, float16)")
+    return value
+
+
+def _load_module(cls: Any, folder: Path, torch_dtype: Any) -> Any:
+    """diffusers' from_pretrained; any failure, or weights missing for the config, -> ModelLoadError."""
+    try:
+        module, info = cls.from_pretrained(folder, torch_dtype=torch_dtype, output_loading_info=True)
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, NotImplementedError, SafetensorError, ...
+        raise ModelLoadError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from exc
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ModelLoadError(f"{folder}: {cls.__name__} weights missing for its config.json: "
+                             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} ({len(missing)} tensors)")
+    return module
 
 
 def _load_text(pipe: Pipeline, root: Path, index: dict[str, Any], torch_dtype: Any, device: str) -> None:
@@ -150,5 +179,7 @@ def _load_text(pipe: Pipeline, root: Path, index: dict[str, Any], torch_dtype: A
     try:
         pipe.text_encoder = T5Encoder(root / "text_encoder", torch_dtype, device)
         pipe.tokenizer = T5Tokens(root / "tokenizer")
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"{root}: cannot load text encoder/tokenizer ({exc})") from exc
+    except (ModelLoadError, UnsupportedModelError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - OSError, JSON, SafetensorError, tokenizers' Exception, ...
+        raise ModelLoadError(f"{root}: cannot load text encoder/tokenizer ({type(exc).__name__}: {exc})") from exc

@@ -1,6 +1,7 @@
 """ImageRequest: one image to generate; bad values are reported per request, never raised in a batch."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -23,8 +24,8 @@ class ImageRequest:
                 or self.num_inference_steps <= 0:
             return f"num_inference_steps must be a positive integer, got {self.num_inference_steps!r}"
         if not isinstance(self.guidance_scale, (int, float)) or isinstance(self.guidance_scale, bool) \
-                or self.guidance_scale != self.guidance_scale or self.guidance_scale < 0:
-            return f"guidance_scale must be a number >= 0, got {self.guidance_scale!r}"
+                or not math.isfinite(self.guidance_scale) or self.guidance_scale < 0:
+            return f"guidance_scale must be a finite number >= 0, got {self.guidance_scale!r}"
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             return f"seed must be an integer in [0, 2**63), got {self.seed!r}"
         for name in ("height", "width"):

@@ -81,6 +81,23 @@ class T5Encoder:
         if embed is None:
             raise ModelLoadError(f"{path}: T5 weights without an embedding table")
         self.embed = embed
+        missing = [k for k in self._needed() if k not in self.w]
+        if missing:
+            raise ModelLoadError(f"{path}: T5 weights missing for its config.json: {', '.join(missing[:3])}"
+                                 f"{' ...' if len(missing) > 3 else ''} ({len(missing)} tensors)")
+
+    def _needed(self) -> list[str]:
+        """The tensor names __call__ reads, for the config's layer count and feed-forward kind."""
+        c = self.config
+        ff = ("wi_0", "wi_1", "wo") if c.gated else ("wi", "wo")
+        names = ["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                 "encoder.final_layer_norm.weight"]
+        for i in range(c.num_layers):
+            p = f"encoder.block.{i}.layer."
+            names += [p + "0.layer_norm.weight", p + "1.layer_norm.weight"]
+            names += [p + f"0.SelfAttention.{n}.weight" for n in "qkvo"]
+            names += [p + f"1.DenseReluDense.{n}.weight" for n in ff]
+        return names
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
