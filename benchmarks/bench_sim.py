@@ -48,7 +48,8 @@ def fleet(rows: int, workers: int, profile: str, model: str, order: str, workloa
     print(f"length-oblivious estimate (batchgen/sim/oblivious.py) {fifo / 60:.1f} min = {fifo / ideal:.3f} x ideal; "
           f"static / ideal {s / ideal:.2f} caps static / batchgen for any policy")
     print(f"targets: static / batchgen {s / b:.2f} (>= 2.3), batchgen / ideal {b / ideal:.3f} (<= 1.05), "
-          f"batchgen / oblivious estimate {b / fifo:.3f}; simulated in {wall:.0f} s wall, {cpu:.0f} s CPU "
+          f"batchgen / oblivious estimate {b / fifo:.3f}; simulated in {wall:.0f} s wall on {os.cpu_count() or 1} "
+          f"processes ({cpu:.0f} s CPU in this one) "
           f"({', '.join(f'{r.policy} {r.wall_s:.0f} s' for r in report.results)})\n")
 
 
