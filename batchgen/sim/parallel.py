@@ -104,7 +104,12 @@ class _Children:
             self.conns[i].send(msg)
         answers = {}
         for i in messages:
-            answer = self.conns[i].recv()
+            try:
+                answer = self.conns[i].recv()
+            except EOFError:
+                self.procs[i].join(1)
+                raise RuntimeError(f"simulation process {i} exited (exit code {self.procs[i].exitcode}); "
+                                   "run with processes=1 to see the error") from None
             if isinstance(answer, tuple) and len(answer) == 2 and answer[0] == "error":
                 raise RuntimeError(f"simulation process {i} failed:\n{answer[1]}")
             answers[i] = answer
