@@ -237,3 +237,59 @@ def test_running_coroutines_need_free_seats_and_no_queue_at_the_destination() ->
     fresh = _sized(load("a", [(i, 400, 0) for i in range(8)]), 10**6, 64)
     [split] = plan_migrations([fresh, _sized(queued, 10**6, 64)])
     assert split.reason == "split"
+
+
+def _plan_model_reference(loads: list[EngineLoad], config: BalanceConfig, budget: int) -> list[Migration]:
+    """The planning loop before it stopped at the first source not worth moving from: it tried
+    every source in turn (O(workers^2) a plan). The loop now must give the same orders."""
+    from batchgen.cluster import balance as b
+
+    loads = sorted(loads, key=lambda x: x.worker)
+    nodes = [b._Node(load, load.remaining_tokens / speed, speed, queued=load.waiting)
+             for load, speed in zip(loads, b.relative_speeds(loads, config.speed_tolerance))]
+    orders: list[Migration] = []
+    exhausted: set[str] = set()
+    while len(orders) < budget:
+        sources = [n for n in nodes if n.load.ready and n.load.worker not in exhausted and n.load.movable]
+        if not sources:
+            break
+        src = max(sources, key=lambda n: n.work)
+        dst = b._pick_destination(nodes, src, config)
+        if dst is None or not b._worth_moving(src.work, dst.work, config):
+            exhausted.add(src.load.worker)
+            continue
+        target = src.speed * dst.speed * (src.work - dst.work) / (src.speed + dst.speed)
+        picked, tokens, cost = b._pick(src, target, config, *dst.room(config))
+        if tokens < config.min_move_tokens or not picked:
+            exhausted.add(src.load.worker)
+            continue
+        src.taken.update(c.seq_id for c in picked)
+        src.work -= tokens / src.speed
+        dst.work += (tokens + cost) / dst.speed
+        dst.kv_incoming += sum(c.num_computed for c in picked)
+        dst.queued += sum(not c.is_started for c in picked)
+        dst.seats_incoming += sum(c.is_started for c in picked)
+        reason = "migrate" if any(c.is_started for c in picked) else "split"
+        orders.append(Migration(src.load.worker, dst.load.worker, src.load.model,
+                                tuple(c.seq_id for c in picked), tokens, reason))
+    return orders
+
+
+def test_planning_stops_early_with_the_same_orders_as_trying_every_source() -> None:
+    import random
+
+    from batchgen.cluster.balance import _plan_model
+
+    rng = random.Random(7)
+    for case in range(300):
+        loads = []
+        for w in range(rng.randint(2, 12)):
+            rows = [(w * 1000 + i, rng.choice([3, 40, 400, 4000]), rng.choice([0, 0, 50, 900]))
+                    for i in range(rng.randint(0, 10))]
+            base = load(f"w{w:02d}", rows, ready=rng.random() > 0.1, kv_used=rng.choice([0.0, 0.5, 0.95]),
+                        speed=rng.choice([0.0, 100.0, 300.0]))
+            loads.append(dataclasses.replace(base, kv_capacity_tokens=rng.choice([0, 5000]),
+                                             max_num_seqs=rng.choice([0, 4, 64]),
+                                             device=rng.choice(["", "gpu"]) if case % 2 else "gpu"))
+        config = BalanceConfig(imbalance_ratio=rng.choice([1.0, 1.5, 3.0]), max_orders=rng.choice([1, 8]))
+        assert _plan_model(loads, config, config.max_orders) == _plan_model_reference(loads, config, config.max_orders)
