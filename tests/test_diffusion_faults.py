@@ -170,3 +170,19 @@ def test_pixart_sigma_matches_diffusers(pix_dir, tmp_path):
                    guidance_scale=r.guidance_scale, generator=torch.Generator().manual_seed(r.seed), output_type="np",
                    use_resolution_binning=False, clean_caption=False, max_sequence_length=tiny.T5_MAX_LENGTH).images[0]
         assert abs(o.array - ref).max() <= 2e-4
+
+
+def test_generate_beside_requests_added_by_hand_loses_neither(dit_dir):
+    """A stream over an engine that already holds trajectories (add_request) returns its own
+    requests in order and keeps the others' outputs for collect() (it raised KeyError)."""
+    eng = DiffusionEngine(dit_dir)
+    early = eng.add_request(ImageRequest(class_label=1, num_inference_steps=2, seed=4))
+    reqs = [ImageRequest(class_label=2, num_inference_steps=3, seed=5), ImageRequest(class_label=3, num_inference_steps=1, seed=6)]
+    outs = eng.generate_outputs(reqs)
+    alone = DiffusionEngine(dit_dir).generate_outputs(reqs)
+    assert [o.index for o in outs] == [0, 1] and all(o.error is None for o in outs)
+    assert all(torch.allclose(torch.from_numpy(a.array), torch.from_numpy(b.array), atol=1e-5) for a, b in zip(outs, alone))
+    kept = eng.collect()
+    while not kept and eng.has_unfinished():
+        kept = eng.step()
+    assert [o.index for o in kept] == [early] and kept[0].error is None

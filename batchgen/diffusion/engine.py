@@ -63,6 +63,7 @@ class DiffusionEngine:
         self._live: dict[int, Live] = {}
         self._meta: dict[int, tuple[float, float | None]] = {}  # tid -> (arrival, deadline)
         self._done: list[ImageOutput] = []
+        self._others: list[ImageOutput] = []  # finished during a stream() but added before it: for collect()
         self._next_tid = 0
         self._uncond: dict[str, torch.Tensor] | None = None
         self.num_forwards = 0
@@ -246,7 +247,7 @@ class DiffusionEngine:
         """Decode the trajectories that have taken all their steps (batched per shape) -> the
         outputs finished since the last step or collect, failed admissions included."""
         self._decode_finished()
-        out, self._done = self._done, []
+        out, self._done, self._others = self._others + self._done, [], []
         return out
 
     # ---- whole jobs -----------------------------------------------------------------------
@@ -267,8 +268,13 @@ class DiffusionEngine:
             if not self._trajs:
                 return
             for out in self.step():
+                if out.index not in index_of:  # added with add_request before this stream: kept for collect()
+                    self._others.append(out)
+                    continue
                 out.index = index_of.pop(out.index)
                 yield out
+            if not index_of and exhausted:
+                return
 
     def generate_outputs(self, requests: Sequence[ImageRequest]) -> list[ImageOutput]:
         outs: list[ImageOutput | None] = [None] * len(requests)
