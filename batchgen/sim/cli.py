@@ -151,13 +151,13 @@ def run_plan_command(args: argparse.Namespace) -> int:
         raise PlanError("give --workers W (or --sweep-workers LIST)")
     if args.workers is not None and args.workers < 1:
         raise PlanError(f"--workers must be >= 1, got {args.workers}")
-    if args.png:
+    if args.png:  # before the simulation, not after it
         import importlib.util
 
-        if importlib.util.find_spec("matplotlib") is None:  # before the simulation, not after it
-            raise PlanError("--png needs matplotlib: pip install 'batchgen[plot]'")
         if not args.png.expanduser().parent.is_dir():
             raise PlanError(f"--png {args.png}: no such directory {args.png.expanduser().parent}")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise PlanError("--png needs matplotlib: pip install 'batchgen[plot]'")
     workload, cost, profile, what = _load(args)
     measured = profile.fit.get("engine") if isinstance(profile, FittedProfile) else None
     measured = measured if isinstance(measured, dict) else {}
