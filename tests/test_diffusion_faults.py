@@ -186,3 +186,15 @@ def test_generate_beside_requests_added_by_hand_loses_neither(dit_dir):
     while not kept and eng.has_unfinished():
         kept = eng.step()
     assert [o.index for o in kept] == [early] and kept[0].error is None
+
+
+def test_numpy_numbers_are_taken_as_the_values_they_stand_for(dit_dir):
+    import numpy as np
+
+    req = ImageRequest(class_label=np.int64(3), height=np.int32(16), width=np.int64(16),
+                       num_inference_steps=np.int64(2), guidance_scale=np.float32(1.5), seed=np.uint32(9))
+    assert req.basic_error() is None and type(req.height) is int and type(req.guidance_scale) is float
+    plain = ImageRequest(class_label=3, height=16, width=16, num_inference_steps=2, guidance_scale=1.5, seed=9)
+    a, b = DiffusionEngine(dit_dir).generate_outputs([req, plain])
+    assert a.error is None and np.array_equal(a.array, b.array)
+    assert "got True" in ImageRequest(class_label=1, seed=True).basic_error()

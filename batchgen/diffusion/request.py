@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 
@@ -17,6 +18,15 @@ class ImageRequest:
     num_inference_steps: int = 20
     guidance_scale: float = 4.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # numpy integers and floats (a DataFrame's cells) as the plain values they stand for
+        for name in ("class_label", "height", "width", "num_inference_steps", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))
+        if isinstance(self.guidance_scale, numbers.Real) and not isinstance(self.guidance_scale, (bool, int, float)):
+            object.__setattr__(self, "guidance_scale", float(self.guidance_scale))
 
     def basic_error(self) -> str | None:
         """What is wrong regardless of the model, or None."""
