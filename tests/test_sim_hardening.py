@@ -249,3 +249,11 @@ def test_a_repeated_sweep_count_is_simulated_once(capsys: pytest.CaptureFixture[
     assert main(["plan", "--rows", "40", "--profile", "H100", "--sweep-workers", "2,2,4", "--workload", "chat"]) == 0
     sweep = capsys.readouterr().out.split("sweep (simulated)")[1].splitlines()
     assert [line.split()[0] for line in sweep[2:]] == ["2", "4"]
+
+
+def test_order_with_a_lengths_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lengths = tmp_path / "l.csv"
+    lengths.write_text("prompt_tokens,output_tokens\n10,3\n2,4\n")
+    err = _err(capsys, "--lengths", str(lengths), "--workers", "2", "--profile", "H100", "--order", "sorted")
+    assert "--order sorted" in err and "its own order" in err
+    assert main(["plan", "--lengths", str(lengths), "--workers", "2", "--profile", "H100", "--json"]) == 0

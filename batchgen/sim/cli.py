@@ -60,8 +60,9 @@ def add_commands(sub: Any) -> None:
     plan.add_argument("--workload", default="reasoning", choices=["reasoning", "summarization", "classification", "chat", "mixed"],
                       help="synthetic length model (default: reasoning); mixed: reasoning, chat and "
                       "classification rows from one file")
-    plan.add_argument("--order", default="random", choices=["random", "sorted", "grouped"],
-                      help="row order of the synthetic workload; sorted: longest outputs last; grouped: "
+    plan.add_argument("--order", default=None, choices=["random", "sorted", "grouped"],
+                      help="row order of the synthetic workload (default random; a --lengths file keeps its "
+                      "own order); sorted: longest outputs last; grouped: "
                       "a mixture's sources one after another (as concatenated files are)")
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--expert-memory", type=parse_size, metavar="SIZE", help="device memory for routed "
@@ -115,6 +116,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
               file=sys.stderr)
     cost = build_cost(profile, shape, ExpertTiers(args.expert_memory))
     if args.lengths is not None:
+        if args.order is not None:
+            raise PlanError(f"--order {args.order} orders a synthetic workload; a --lengths file runs in its own order")
         workload = load_lengths(args.lengths, Path(args.model) if args.model else None, args.workload, args.seed)
         if args.rows is not None:
             if args.rows < 1:
@@ -123,7 +126,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     elif args.rows is None:
         raise PlanError("give --rows N (a synthetic workload) or --lengths FILE")
     else:
-        workload = synthetic(args.workload, args.rows, args.seed, args.order)
+        workload = synthetic(args.workload, args.rows, args.seed, args.order or "random")
     pool = cost.kv_capacity_tokens
     if not (workload.prompt_len + workload.output_len <= pool).any():
         raise PlanError(f"no row fits one worker's KV pool of {pool} tokens (the shortest needs "
