@@ -257,3 +257,12 @@ def test_order_with_a_lengths_file_is_refused(tmp_path: Path, capsys: pytest.Cap
     err = _err(capsys, "--lengths", str(lengths), "--workers", "2", "--profile", "H100", "--order", "sorted")
     assert "--order sorted" in err and "its own order" in err
     assert main(["plan", "--lengths", str(lengths), "--workers", "2", "--profile", "H100", "--json"]) == 0
+
+
+def test_boolean_lengths_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import pandas as pd
+
+    lengths = tmp_path / "l.parquet"
+    pd.DataFrame({"prompt_tokens": [10, 20], "output_tokens": [True, False]}).to_parquet(lengths)
+    err = _err(capsys, "--lengths", str(lengths), "--workers", "2", "--profile", "H100")
+    assert "row 0, column output_tokens" in err and "True" in err

@@ -136,9 +136,16 @@ def _pick(columns: list[str], names: tuple[str, ...], path: Path) -> str:
 def _checked(values: object, column: str, path: Path, low: int) -> np.ndarray:
     import pandas as pd
 
-    s = pd.Series(values)
+    s = pd.Series(values).reset_index(drop=True)
     numeric = pd.to_numeric(s, errors="coerce")
-    bad = s.index[numeric.isna() | (numeric < low) | (numeric != numeric.round())]
+    # True is not a token count of 1: a boolean column, or booleans among other values
+    if s.dtype == bool:
+        flags = pd.Series(True, index=s.index)
+    elif s.dtype == object:
+        flags = s.map(lambda v: isinstance(v, (bool, np.bool_))).astype(bool)
+    else:
+        flags = pd.Series(False, index=s.index)
+    bad = s.index[numeric.isna() | (numeric < low) | (numeric != numeric.round()) | flags]
     if len(bad):
         row = int(bad[0])
         value = s.iloc[row]
