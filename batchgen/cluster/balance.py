@@ -19,8 +19,8 @@ less than those that had run reasoning rows, and were sent almost nothing. So en
 report their `device` class (hardware and the settings that set its pace) count as equally fast
 within a class, and classes compare by the median speed of their engines; without classes,
 engines whose speeds lie within `speed_tolerance` of each other count as equally fast. An
-engine not yet measured counts as average. A running coroutine that moves without its KV costs `recompute_weight` decode-token
-units per token to recompute.
+engine not yet measured counts as average. A running coroutine that moves without its KV costs
+`recompute_weight` decode-token units per token to recompute.
 """
 from __future__ import annotations
 
