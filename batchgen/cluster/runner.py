@@ -340,7 +340,7 @@ class EngineRunner:
                                 int(load["remaining_tokens"]), self._meter.tokens_per_s, generated,
                                 reported_movable_rows(movable), self._meter.speed, _expert_hit_rate(engine),
                                 int(load["kv_capacity_tokens"]), seats, self._adopted,
-                                str(load.get("device_class", "")))
+                                str(load["device_class"]))
 
 
 def _expert_hit_rate(engine: Engine) -> float:

@@ -78,6 +78,16 @@ def _rows(workload: Workload, rows: np.ndarray) -> list[Sequence]:
     return list(map(make_sequence, rows.tolist(), p, m, o))
 
 
+def partitioned_engines(names: list[str], parts: list[np.ndarray], workload: Workload, cost: CostModel,
+                        config: EngineSimConfig) -> list[SimEngine]:
+    """One engine per name, each given its partition's rows (static and batchgen start so)."""
+    engines = [SimEngine(name, cost, config) for name in names]
+    for e, part in zip(engines, parts):
+        for seq in _rows(workload, part):
+            e.add(seq)
+    return engines
+
+
 def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, policy: Policy,
              cluster: ClusterSimConfig, keep_timelines: bool = False) -> SimResult:
     """Run `workload` to the end under `policy`. Deterministic: no randomness, no wall clock in
@@ -104,10 +114,8 @@ def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, polic
                        [r[3] for r in per_engine], [r[4] for r in per_engine] if keep_timelines else [],
                        orders, moved, t0)
     else:
-        engines = [SimEngine(name, cost, engine) for name in names]
-        for e, part in zip(engines, np.array_split(np.arange(workload.rows), cluster.workers)):
-            for seq in _rows(workload, part):
-                e.add(seq)
+        engines = partitioned_engines(names, np.array_split(np.arange(workload.rows), cluster.workers), workload,
+                                      cost, engine)
         if isinstance(policy, Static):
             for e in engines:
                 e.run_until(math.inf)

@@ -27,7 +27,7 @@ import numpy as np
 from ..cluster.balance import CoroutineInfo, EngineLoad, Migration
 from ..errors import PlanError
 from .cost import CostModel
-from .engine import Arrival, EngineSimConfig, SimEngine
+from .engine import Arrival, EngineSimConfig
 from .workload import Workload
 
 
@@ -35,13 +35,10 @@ def _serve(conn: Connection, names: list[str], parts: list[np.ndarray], workload
            config: EngineSimConfig) -> None:
     """A child's loop: its engines, built and filled as simulate() builds them; commands in,
     answers out."""
-    from .cluster import _rows
+    from .cluster import partitioned_engines
 
     try:
-        engines = {name: SimEngine(name, cost, config) for name in names}
-        for e, part in zip(engines.values(), parts):
-            for seq in _rows(workload, part):
-                e.add(seq)
+        engines = {e.name: e for e in partitioned_engines(names, parts, workload, cost, config)}
         while True:
             cmd, arg = conn.recv()
             if cmd == "run":  # arg: the tick to run to (None: the loads as they are)
