@@ -18,7 +18,7 @@ from __future__ import annotations
 import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,18 +63,18 @@ class MoAStats:
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.keys()}
 
-    # read as a mapping too: job.stats["rows_skipped"], dict(job.stats), "total_s" in job.stats
+    # read as a mapping too: job.stats["rows_skipped"], dict(job.stats), "total_s" in job.stats;
+    # keys() leaves out `placements` (Placement objects: `placement` describes them)
     def keys(self) -> tuple[str, ...]:
-        return ("expert_stage_s", "aggregator_stage_s", "total_s", "rows", "rows_skipped", "rows_aggregated",
-                "placement", "predicted_expert_stage_s", "finished_s")
+        return tuple(f.name for f in fields(self) if f.name != "placements")
 
     def __getitem__(self, key: str) -> Any:
-        if key not in self.keys() and key != "placements":
+        if key not in self:
             raise KeyError(key)
         return getattr(self, key)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.keys() or key == "placements"
+        return any(f.name == key for f in fields(self))
 
 
 @dataclass(slots=True)
