@@ -166,10 +166,8 @@ def _times(groups: Groups, costs: Mapping[str, ModelCost], workers: Sequence[Wor
         for w, us in by_worker.items():
             if not us:
                 continue
-            worker_s[w] += cost.load_s + sum(u.work for u in us)
-            if cost.seconds_per_step:  # ModelCost.steps_s over the units' sums
-                worker_s[w] += cost.seconds_per_step * max(max(u.longest for u in us),
-                                                           sum(u.tokens for u in us) / cost.max_batch)
+            worker_s[w] += (cost.load_s + sum(u.work for u in us)
+                            + cost.steps_s_of(max(u.longest for u in us), sum(u.tokens for u in us)))
     return worker_s
 
 

@@ -75,9 +75,12 @@ class ModelCost:
 
     def steps_s(self, tokens: Sequence[float]) -> float:
         """The forwards' fixed cost of one replica running rows of these predicted tokens."""
-        if not tokens or self.seconds_per_step == 0:
-            return 0.0
-        return self.seconds_per_step * max(max(tokens), sum(tokens) / self.max_batch)
+        return self.steps_s_of(max(tokens), sum(tokens)) if tokens else 0.0
+
+    def steps_s_of(self, longest: float, total: float) -> float:
+        """steps_s from its two sums: the longest row's tokens and all rows' tokens (a replica
+        runs at least the longest row's forwards, and at least total / max_batch of them)."""
+        return self.seconds_per_step * max(longest, total / self.max_batch) if self.seconds_per_step else 0.0
 
 
 @dataclass(frozen=True, slots=True)
