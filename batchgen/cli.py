@@ -100,6 +100,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", help="compute dtype: auto (the checkpoint's on CUDA, float32 on CPU; the default), "
                                   "float32, bfloat16, float16")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--max-image-tokens", type=_positive, metavar="N",
+                   help="image pipelines: the most image tokens one request may have (default: 16x the "
+                        "model's native size); a larger request fails alone")
     g.add_argument("--chunk-size", type=_positive, default=1024, metavar="N",
                    help="rows in the engine at once, topped up as rows finish; bounds memory. Rows beyond the "
                         "running batch wait, grouped by shared prefix for the prefix cache (default: 1024)")

@@ -198,3 +198,30 @@ def test_numpy_numbers_are_taken_as_the_values_they_stand_for(dit_dir):
     a, b = DiffusionEngine(dit_dir).generate_outputs([req, plain])
     assert a.error is None and np.array_equal(a.array, b.array)
     assert "got True" in ImageRequest(class_label=1, seed=True).basic_error()
+
+
+def test_a_request_far_past_the_native_size_fails_alone_and_the_cap_can_be_raised(dit_dir, tmp_path):
+    # The tiny DiT is native at 16 px (16 tokens): the default cap is 16x that, 256 tokens (64 px).
+    # A 16384 px request used to start a forward over 16M tokens and never finish.
+    huge = ImageRequest(class_label=1, height=16384, width=16384, num_inference_steps=2)
+    edge = ImageRequest(class_label=1, height=64, width=64, num_inference_steps=1)
+    over = ImageRequest(class_label=1, height=68, width=64, num_inference_steps=1)
+    out = DiffusionEngine(dit_dir).generate([huge, edge, over, ImageRequest(class_label=2, num_inference_steps=1)])
+    assert isinstance(out[0], RequestError) and "16,777,216 image tokens" in str(out[0]) \
+        and "max_image_tokens 256" in str(out[0])
+    assert out[1].size == (64, 64)
+    assert isinstance(out[2], RequestError) and "max_image_tokens" in str(out[2])
+    assert out[3].size == (16, 16)
+    assert DiffusionEngine(dit_dir, max_image_tokens=272).generate([over])[0].size == (64, 68)
+    with pytest.raises(ValueError, match="max_image_tokens"):
+        DiffusionEngine(dit_dir, max_image_tokens=0)
+
+    from batchgen.cli import main
+    inp, res = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"custom_id": "big", "method": "POST", "url": "/v1/images/generations",
+                               "body": {"class_label": 1, "size": "64x68", "num_inference_steps": 1}}) + "\n")
+    args = ["run", "--model", str(dit_dir), "--input", str(inp), "--output", str(res)]
+    assert main(args) == 0
+    assert "max_image_tokens" in json.loads(res.read_text())["response"]["body"]["error"]["message"]
+    assert main(args + ["--overwrite", "--max-image-tokens", "272"]) == 0
+    assert json.loads(res.read_text())["response"]["status_code"] == 200

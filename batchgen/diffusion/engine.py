@@ -28,6 +28,11 @@ from .policy import TrajView, check_policy, plan_step
 from .request import ImageRequest
 from .trajectory import Status, Trajectory, from_bytes, to_bytes
 
+# Default cap on one request's image tokens, as a multiple of the model's native size (16: four
+# times the native side). Attention is quadratic in the tokens: a 16384 x 16384 px request on a
+# 256 px DiT (1M tokens) would run for hours or exhaust memory instead of failing.
+IMAGE_TOKENS_OVER_NATIVE = 16
+
 if TYPE_CHECKING:
     from .sp import UlyssesShard
 
@@ -46,11 +51,15 @@ class ImageOutput:
 class DiffusionEngine:
     def __init__(self, model: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
                  policy: str = "fcfs", max_batch_rows: int = 64, max_batch_tokens: int | None = None,
-                 max_sequence_length: int | None = None, cost: CostModel | None = None) -> None:
+                 max_sequence_length: int | None = None, cost: CostModel | None = None,
+                 max_image_tokens: int | None = None) -> None:
         """Load the pipeline at `model` (ModelLoadError / UnsupportedModelError name what is wrong).
         policy: "fcfs" | "srwf" | "deadline"; max_batch_rows / max_batch_tokens: the most rows
-        (CFG rows count twice) / image tokens in one step's forwards."""
-        for name, value in (("max_batch_rows", max_batch_rows), ("max_batch_tokens", max_batch_tokens)):
+        (CFG rows count twice) / image tokens in one step's forwards; max_image_tokens: the most
+        image tokens one request may have (default: IMAGE_TOKENS_OVER_NATIVE x the model's native
+        size, e.g. 1024 x 1024 px for a 256 px DiT); a larger request fails alone."""
+        for name, value in (("max_batch_rows", max_batch_rows), ("max_batch_tokens", max_batch_tokens),
+                            ("max_image_tokens", max_image_tokens)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,6 +67,8 @@ class DiffusionEngine:
         self.model_key = str(self.pipe.path.resolve())
         self.policy = check_policy(policy)
         self.max_batch_rows, self.max_batch_tokens = max_batch_rows, max_batch_tokens
+        native = (self.pipe.native_size // self.pipe.pixel_multiple) ** 2
+        self.max_image_tokens = max_image_tokens or IMAGE_TOKENS_OVER_NATIVE * native
         self.cost = cost or CostModel()
         self._trajs: dict[int, Trajectory] = {}
         self._live: dict[int, Live] = {}
@@ -94,6 +105,13 @@ class DiffusionEngine:
             if value % m:
                 return (f"{name} {value} is not a multiple of {m} (patch {pipe.patch_size} x VAE factor "
                         f"{pipe.vae_scale_factor})")
+        h, w = req.height or pipe.native_size, req.width or pipe.native_size
+        tokens = (h // m) * (w // m)
+        if tokens > self.max_image_tokens:
+            return (f"{h}x{w} px is {tokens:,} image tokens, over this engine's max_image_tokens "
+                    f"{self.max_image_tokens:,} ({IMAGE_TOKENS_OVER_NATIVE}x the model's native "
+                    f"{pipe.native_size}x{pipe.native_size}, unless set): attention over them would not finish "
+                    f"or fit; pass max_image_tokens to allow it")
         return None
 
     def add_request(self, req: ImageRequest, *, deadline: float | None = None, arrival: float | None = None) -> int:

@@ -186,7 +186,8 @@ def run_cli(args: Any) -> int:
     if out.exists() and not (args.resume or args.overwrite):
         raise BatchgenError(f"--output {out} exists: pass --resume to continue it or --overwrite to replace it")
     engine = DiffusionEngine(args.model, dtype=getattr(args, "dtype", None) or "auto",
-                             device=getattr(args, "device", None))
+                             device=getattr(args, "device", None),
+                             max_image_tokens=getattr(args, "max_image_tokens", None))
     start = time.monotonic()
     counts = run_images_file(engine, inp, out, resume=bool(args.resume))
     print(f"batchgen: wrote {out}: {counts['lines']} lines: {counts['succeeded']} succeeded, {counts['errors']} errors; "
