@@ -7,6 +7,8 @@
     partitioning leave most GPUs idle).
     The mixed workload (a file of reasoning, chat and classification sources, README's workload
     statement) in random order and grouped by source: --workload mixed --orders random,grouped.
+(3) --oracle: how near the ideal bound a policy that knew every row's length could come, in the
+    fluid model of batchgen/sim/oblivious.py (longest first; the long rows on workers of their own).
 (2) How long simulating 1M rows on 128 workers takes on this machine (target: < 2 minutes); it
     prints the load average around the run, as other jobs share the cores.
 
@@ -14,6 +16,7 @@
     python benchmarks/bench_sim.py --workload mixed --orders random,grouped
     python benchmarks/bench_sim.py --million          # (2): the batchgen policy on 1M rows (--rows N: N rows)
     python benchmarks/bench_sim.py --rows 20000 --workers 32 --orders random   # quicker
+    python benchmarks/bench_sim.py --oracle --workload mixed --orders random    # (3), ~5 min at 100k rows
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import time
 from batchgen.sim.cluster import ClusterSimConfig, simulate
 from batchgen.sim.cost import build_cost
 from batchgen.sim.engine import EngineSimConfig
-from batchgen.sim.oblivious import oblivious_bct
+from batchgen.sim.oblivious import isolated_bct, length_aware_bct, oblivious_bct
 from batchgen.sim.plan import default_tick, format_report, ideal_bound, run_plan
 from batchgen.sim.policies import DEFAULT_POLICIES, BatchGen
 from batchgen.sim.profiles import load_profile
@@ -75,6 +78,28 @@ def million(rows: int, workers: int, profile: str, model: str, workload: str) ->
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
 
 
+def oracle(rows: int, workers: int, profile: str, model: str, workload: str, order: str) -> None:
+    """How close knowing every row's length would come to the ideal bound (fluid estimates of
+    batchgen/sim/oblivious.py: free, perfect migration; no policy here knows lengths)."""
+    cost = build_cost(load_profile(profile), load_shape(model))
+    w = synthetic(workload, rows, seed=0, order=order)  # type: ignore[arg-type]
+    engine = EngineSimConfig()
+    ideal = ideal_bound(w, cost, engine, workers)
+    blind = oblivious_bct(w, cost, engine, workers)
+    aware = length_aware_bct(w, cost, engine, workers)
+    cap = int(w.output_len.max())
+    best = min((isolated_bct(w, cost, engine, workers, int(cap * f), k), f, k)
+               for f in (0.125, 0.25, 0.5, 0.75, 1.0)
+               for k in sorted({max(1, workers * j // 16) for j in (1, 2, 4, 6, 8, 10, 12)} - {workers}))
+    n_long = int((w.output_len >= int(cap * best[1])).sum())
+    print(f"{rows} rows ({workload}, {order} order), {workers} x {model} on {profile} [simulated, fluid estimates]: "
+          f"ideal bound {ideal.bct_s:.0f} s (work / workers {ideal.work_s:.0f} s, longest row alone "
+          f"{ideal.longest_row_s:.0f} s); length-blind {blind / ideal.bct_s:.3f} x ideal; longest first "
+          f"(lengths known) {aware / ideal.bct_s:.3f} x; best isolation of the long rows "
+          f"{best[0] / ideal.bct_s:.3f} x (the {n_long} rows of >= {int(cap * best[1])} tokens on {best[2]} workers "
+          f"of their own, longest first in both pools)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=None, help="rows (default: 100,000; with --million: 1,000,000)")
@@ -86,11 +111,17 @@ def main() -> None:
     ap.add_argument("--policies", default="static,dynamic,batchgen", help="which to simulate (static and "
                     "batchgen are the ratios the targets name)")
     ap.add_argument("--million", action="store_true", help="time 1M rows (batchgen policy) instead")
+    ap.add_argument("--oracle", action="store_true", help="instead: how near the ideal bound knowing every "
+                    "row's length would come (fluid estimates: longest first; long rows on workers of their own)")
     args = ap.parse_args()
     if args.rows is not None and args.rows < 1 or args.workers < 1:
         ap.error(f"--rows and --workers must be >= 1, got {args.rows} and {args.workers}")
     if args.million:  # --rows is honoured: the default is the 1M rows the target names
         million(args.rows or 1_000_000, args.workers, args.profile, args.model, args.workload)
+        return
+    if args.oracle:
+        for order in args.orders.split(","):
+            oracle(args.rows or 100_000, args.workers, args.profile, args.model, args.workload, order)
         return
     for order in args.orders.split(","):
         fleet(args.rows or 100_000, args.workers, args.profile, args.model, order, args.workload,

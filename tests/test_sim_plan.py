@@ -115,6 +115,29 @@ def test_length_oblivious_estimate_lies_between_the_bound_and_the_policies(h200)
     assert fifo_bct(w, h200, engine, 3, longest_first[::-1]) > est
 
 
+def test_length_aware_estimates_split_the_pools_as_asked(h200) -> None:
+    """isolated_bct is the later of two length_aware_bct runs: the long rows on their own
+    workers, the rest on the others; with none isolated it is length_aware_bct itself."""
+    from batchgen.sim.oblivious import fifo_bct, isolated_bct, length_aware_bct
+    from batchgen.sim.workload import Workload
+
+    w = synthetic("reasoning", 300, 1)
+    engine = EngineSimConfig(max_num_seqs=16)
+    aware = length_aware_bct(w, h200, engine, 4)
+    longest_first = np.argsort(-w.output_len, kind="stable")
+    assert aware == fifo_bct(w, h200, engine, 4, longest_first)
+    assert isolated_bct(w, h200, engine, 4, 10**9, 2) == aware  # no row that long
+    assert isolated_bct(w, h200, engine, 4, 1, 0) == aware
+    cut = int(np.sort(w.output_len)[-10])
+    m = w.output_len >= cut
+    parts = [length_aware_bct(Workload(w.name, w.prompt_len[k], w.output_len[k], w.max_tokens[k]), h200, engine, n)
+             for k, n in ((m, 1), (~m, 3))]
+    assert isolated_bct(w, h200, engine, 4, cut, 1) == pytest.approx(max(parts))
+    assert parts[0] > 0 and parts[1] > 0
+    with pytest.raises(ValueError, match="isolated_workers"):
+        isolated_bct(w, h200, engine, 4, cut, 4)
+
+
 def test_cooldown_is_the_plugins() -> None:
     from batchgen.cluster.plugin import BalancePlugin
 

@@ -10,6 +10,12 @@ given order. It is a fluid model, not a strict bound (a simulated run whose rows
 unevenly can come in slightly under it: 0.4% on one small seed); the gap from it to
 `ideal_bound` is the price of not knowing lengths. A policy that preempted old rows for new ones,
 or ran rows that have grown long alone, could go under it; none here does.
+
+What knowing the lengths would buy, in the same fluid model: `length_aware_bct` starts the
+longest rows first; `isolated_bct` also gives the rows of at least `min_len` tokens their own
+workers (smaller batches, faster steps), the rest sharing the others. On the simulated fleet
+neither comes near `ideal_bound` (README, simulated fleet): the bound's "longest row alone"
+term holds for one row, while a heavy tail has hundreds that would each need a GPU to itself.
 """
 from __future__ import annotations
 
@@ -34,6 +40,28 @@ def start_orders(rows: int, workers: int) -> list[np.ndarray]:
 def oblivious_bct(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int) -> float:
     """The smaller fifo_bct over the start orders the policies use (start_orders)."""
     return min(fifo_bct(workload, cost, engine, workers, order) for order in start_orders(workload.rows, workers))
+
+
+def length_aware_bct(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int) -> float:
+    """fifo_bct with the longest rows started first (an oracle: no policy here knows lengths)."""
+    return fifo_bct(workload, cost, engine, workers, np.argsort(-workload.output_len, kind="stable"))
+
+
+def isolated_bct(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int, min_len: int,
+                 isolated_workers: int) -> float:
+    """length_aware_bct when the rows of at least `min_len` output tokens run on `isolated_workers`
+    workers of their own and the others on the rest: the later of the two pools' ends."""
+    if not 0 <= isolated_workers < workers:
+        raise ValueError(f"isolated_workers must be in [0, {workers}), got {isolated_workers}")
+    long = workload.output_len >= min_len
+    if not long.any() or isolated_workers == 0:
+        return length_aware_bct(workload, cost, engine, workers)
+
+    def part(mask: np.ndarray, w: int) -> float:
+        sub = Workload(workload.name, workload.prompt_len[mask], workload.output_len[mask], workload.max_tokens[mask])
+        return length_aware_bct(sub, cost, engine, w) if mask.any() else 0.0
+
+    return max(part(long, isolated_workers), part(~long, workers - isolated_workers))
 
 
 def fifo_bct(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int,
