@@ -138,6 +138,32 @@ def test_length_aware_estimates_split_the_pools_as_asked(h200) -> None:
         isolated_bct(w, h200, engine, 4, cut, 4)
 
 
+def test_tail_need_prices_the_longest_rows_at_the_pace_that_ends_them_in_time(h200) -> None:
+    """Each longest row runs its L steps in turn, so they may average bct / L: a generous BCT lets
+    the rows share one batch (k = all of them), one of exactly L x step(1) allows them alone, and
+    a shorter one cannot be met by any schedule."""
+    from batchgen.sim.oblivious import tail_need
+    from batchgen.sim.workload import Workload
+
+    L, p = 2000, 100
+    w = Workload("t", np.array([p] * 4 + [p]), np.array([L] * 4 + [10]), np.array([L] * 5))
+    engine = EngineSimConfig()
+    ctx = p + L / 2
+
+    def step(k: int) -> float:
+        return float(h200.step_seconds(k, k, k * ctx, k * ctx))
+
+    roomy = tail_need(w, h200, engine, 2, 10 * L * step(4))
+    assert roomy.rows == 4 and roomy.length == L and roomy.feasible
+    assert roomy.gpu_seconds == pytest.approx(L * step(4), rel=1e-6)  # all four in one batch
+    alone = tail_need(w, h200, engine, 2, L * step(1))
+    assert alone.gpu_seconds == pytest.approx(4 * L * step(1), rel=1e-6)
+    assert not alone.feasible
+    between = tail_need(w, h200, engine, 2, L * (step(1) + step(2)) / 2)  # half the steps alone, half in pairs
+    assert L * step(4) < between.gpu_seconds < 4 * L * step(1)
+    assert tail_need(w, h200, engine, 8, 0.5 * L * step(1)).gpu_seconds == float("inf")
+
+
 def test_cooldown_is_the_plugins() -> None:
     from batchgen.cluster.plugin import BalancePlugin
 

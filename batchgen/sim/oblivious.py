@@ -20,6 +20,7 @@ term holds for one row, while a heavy tail has hundreds that would each need a G
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,6 +63,44 @@ def isolated_bct(workload: Workload, cost: CostModel, engine: EngineSimConfig, w
         return length_aware_bct(sub, cost, engine, w) if mask.any() else 0.0
 
     return max(part(long, isolated_workers), part(~long, workers - isolated_workers))
+
+
+@dataclass(frozen=True, slots=True)
+class TailNeed:
+    """What the rows at a job's longest output length need to end by `bct_s` (tail_need)."""
+
+    rows: int                # rows at the longest length
+    length: int              # their output tokens
+    max_step_s: float        # the mean step time that lets each end in time
+    gpu_seconds: float       # the least device time they take at that pace (inf: none is fast enough)
+    fleet_seconds: float     # workers x bct_s
+
+    @property
+    def feasible(self) -> bool:
+        return self.gpu_seconds <= self.fleet_seconds
+
+
+def tail_need(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int, bct_s: float) -> TailNeed:
+    """A counting argument against ending by `bct_s`, whatever the schedule: each of the rows at
+    the longest length L runs L steps one after another, so its steps may average at most
+    bct_s / L. A step holding k of them takes at least step_seconds(k rows at their mean context)
+    (other rows in it only add; the cost is convex in context, so the mean under-prices), and
+    costs the device that time shared by k. The least device time per row-step at a mean step of
+    at most bct_s / L is a linear program over the mix of k (scipy's HiGHS); times the rows' steps
+    it is what they alone need, to compare with the fleet's workers x bct_s."""
+    from scipy.optimize import linprog
+
+    longest = int(workload.output_len.max())
+    tail = workload.output_len == longest
+    n = int(tail.sum())
+    ctx = float(workload.prompt_len[tail].mean()) + longest / 2
+    ks = np.arange(1, max(1, min(engine.max_num_seqs, n)) + 1, dtype=np.float64)
+    step = np.asarray(cost.step_seconds(ks, ks, ks * ctx, ks * ctx), dtype=np.float64)
+    allowed = bct_s / longest
+    res = linprog(step / ks, A_ub=step[None], b_ub=[allowed], A_eq=np.ones((1, len(ks))), b_eq=[1.0],
+                  bounds=(0, None), method="highs")
+    per_row_step = float(res.fun) if res.status == 0 else float("inf")
+    return TailNeed(n, longest, allowed, n * longest * per_row_step, workers * bct_s)
 
 
 def fifo_bct(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int,
