@@ -28,7 +28,7 @@ import time
 from batchgen.sim.cluster import ClusterSimConfig, simulate
 from batchgen.sim.cost import build_cost
 from batchgen.sim.engine import EngineSimConfig
-from batchgen.sim.oblivious import isolated_bct, length_aware_bct, oblivious_bct, tail_need
+from batchgen.sim.oblivious import isolated_bct, length_aware_bct, oblivious_bct, tail_bound, tail_need
 from batchgen.sim.plan import default_tick, format_report, ideal_bound, run_plan
 from batchgen.sim.policies import DEFAULT_POLICIES, BatchGen
 from batchgen.sim.profiles import load_profile
@@ -99,11 +99,12 @@ def oracle(rows: int, workers: int, profile: str, model: str, workload: str, ord
           f"{best[0] / ideal.bct_s:.3f} x (the {n_long} rows of >= {int(cap * best[1])} tokens on {best[2]} workers "
           f"of their own, longest first in both pools)")
     need = tail_need(w, cost, engine, workers, 1.05 * ideal.bct_s)
+    bound = tail_bound(w, cost, engine, workers, 10 * ideal.bct_s)
     print(f"  to end within 5% of the ideal bound ({1.05 * ideal.bct_s:.0f} s), each of the {need.rows} rows of "
-          f"{need.length} tokens must average <= {need.max_step_s * 1e3:.2f} ms a step; at that pace they alone need "
-          f">= {need.gpu_seconds:,.0f} GPU-seconds, the fleet has {need.fleet_seconds:,.0f} "
-          f"({'feasible as far as this argument goes' if need.feasible else 'no schedule can'}; the other rows' "
-          f"work at the full-batch rate needs about {(ideal.work_s * workers) * (1 - w.output_len[w.output_len == need.length].sum() / w.output_len.sum()):,.0f} more)")
+          f"{need.length} tokens must average <= {need.max_step_s * 1e3:.2f} ms a step; the job then takes >= "
+          f"{need.gpu_seconds:,.0f} GPU-seconds, the fleet has {need.fleet_seconds:,.0f}: "
+          f"{'not ruled out' if need.feasible else 'no schedule can'} (oblivious.tail_need). No schedule ends before "
+          f"{bound:.0f} s = {bound / ideal.bct_s:.3f} x the ideal bound (oblivious.tail_bound)")
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import ddim_batch
 from .forward import predict
 
 if TYPE_CHECKING:
@@ -58,22 +59,37 @@ def group_inputs(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], unco
 
 
 def apply_output(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], out: torch.Tensor) -> None:
-    """Guidance, learned-sigma split and each trajectory's own scheduler step; latents advance."""
-    c = pipe.latent_channels
+    """Guidance, learned-sigma split and each trajectory's own scheduler step; latents advance.
+    Guidance runs once over the guided rows; DDIM steps run as one batched step (ddim_batch.py,
+    bit-identical to diffusers' per-row calls), any other scheduler row by row."""
     n = len(trajs)
-    guided = 0
+    # DiT guides the eps channels only (diffusers' DiTPipeline); a learned sigma is dropped after
+    # guidance, which is elementwise: slicing first gives the same channels
+    keep = pipe.latent_channels if pipe.learned_sigma or pipe.family == "dit" else out.shape[1]
+    pred = out[:n, :keep]
+    guided = [i for i, traj in enumerate(trajs) if traj.uses_guidance]
+    if guided:
+        uncond = out[n:n + len(guided), :keep]
+        scale = torch.tensor([trajs[i].request.guidance_scale for i in guided], dtype=out.dtype,
+                             device=out.device).view((-1,) + (1,) * (out.dim() - 1))
+        rows = torch.tensor(guided, device=out.device)
+        pred = pred.clone()
+        pred[rows] = uncond + scale * (pred[rows] - uncond)
+    batched = [i for i, lv in enumerate(live) if not lv.stochastic and ddim_batch.batchable(lv.scheduler)]
+    if len(batched) > 1:
+        idx = torch.tensor(batched, device=out.device)
+        steps = [live[i].scheduler.timesteps[trajs[i].step] for i in batched]
+        prev, original = ddim_batch.ddim_step([live[i].scheduler for i in batched], steps, pred[idx],
+                                              torch.stack([trajs[i].latents for i in batched]))
+        for j, i in enumerate(batched):
+            traj = trajs[i]
+            take = original if pipe.family == "pixart" and traj.num_steps == 1 else prev
+            traj.latents = take[j].clone()  # its own storage: a view would pickle the whole batch
+            traj.step += 1
+    done = set(batched) if len(batched) > 1 else set()
     for i, (traj, lv) in enumerate(zip(trajs, live)):
-        pred = out[i:i + 1]
-        if traj.uses_guidance:
-            uncond = out[n + guided:n + guided + 1]
-            guided += 1
-            s = traj.request.guidance_scale
-            if pipe.family == "dit":  # DiT guides the eps channels only (diffusers' DiTPipeline)
-                pred = uncond[:, :c] + s * (pred[:, :c] - uncond[:, :c])
-            else:
-                pred = uncond + s * (pred - uncond)
-        if pipe.learned_sigma:
-            pred = pred[:, :c]
+        if i in done:
+            continue
         t = lv.scheduler.timesteps[traj.step]
         kwargs: dict[str, Any] = {"generator": lv.generator} if lv.stochastic else {}
         sample = traj.latents[None]
@@ -81,7 +97,7 @@ def apply_output(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], out:
             # DiTPipeline steps from the *scaled* model input (the identity for DDIM and
             # DPM-Solver, sample / sqrt(sigma^2 + 1) for Euler): kept for equal images.
             sample = lv.scheduler.scale_model_input(sample, t)
-        result = lv.scheduler.step(pred, t, sample, return_dict=False, **kwargs)
+        result = lv.scheduler.step(pred[i:i + 1], t, sample, return_dict=False, **kwargs)
         # PixArt takes the predicted original sample when only one step is asked for.
         take = 1 if pipe.family == "pixart" and traj.num_steps == 1 and len(result) > 1 else 0
         traj.latents = result[take][0]

@@ -67,12 +67,12 @@ def isolated_bct(workload: Workload, cost: CostModel, engine: EngineSimConfig, w
 
 @dataclass(frozen=True, slots=True)
 class TailNeed:
-    """What the rows at a job's longest output length need to end by `bct_s` (tail_need)."""
+    """What ending a job by `bct_s` takes, given its longest rows (tail_need)."""
 
     rows: int                # rows at the longest length
     length: int              # their output tokens
     max_step_s: float        # the mean step time that lets each end in time
-    gpu_seconds: float       # the least device time they take at that pace (inf: none is fast enough)
+    gpu_seconds: float       # the least device time the whole job takes then (inf: none is fast enough)
     fleet_seconds: float     # workers x bct_s
 
     @property
@@ -81,26 +81,55 @@ class TailNeed:
 
 
 def tail_need(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int, bct_s: float) -> TailNeed:
-    """A counting argument against ending by `bct_s`, whatever the schedule: each of the rows at
-    the longest length L runs L steps one after another, so its steps may average at most
-    bct_s / L. A step holding k of them takes at least step_seconds(k rows at their mean context)
-    (other rows in it only add; the cost is convex in context, so the mean under-prices), and
-    costs the device that time shared by k. The least device time per row-step at a mean step of
-    at most bct_s / L is a linear program over the mix of k (scipy's HiGHS); times the rows' steps
-    it is what they alone need, to compare with the fleet's workers x bct_s."""
+    """A counting argument against ending by `bct_s`, whatever the schedule (a linear program,
+    scipy's HiGHS). Each of the n rows at the longest length L runs L steps one after another, so
+    their steps may average at most bct_s / L. Variables: y[k, m], how many steps hold k of them and
+    m other rows, each lasting d[k, m] = step_seconds(k + m rows; KV: k at the long rows' mean
+    context, m at the shortest prompt of the others), and z, the other rows' tokens made in steps
+    without long rows, each at least a full batch's per-token time at that shortest prompt. Then
+    sum k y = n L, sum k d y <= n bct_s, z >= (the other rows' tokens) - sum m y, and the device
+    time sum d y + z x that rate is at least the LP's minimum. Every choice under-prices (mates at
+    their shortest context, no prefill, no KV limit; the step cost is convex in context, so the
+    long rows' mean context under-prices theirs): a minimum over the fleet's workers x bct_s means
+    no schedule ends by bct_s."""
     from scipy.optimize import linprog
 
     longest = int(workload.output_len.max())
     tail = workload.output_len == longest
     n = int(tail.sum())
+    others = workload.output_len[~tail]
+    rest = float(others.sum())
     ctx = float(workload.prompt_len[tail].mean()) + longest / 2
-    ks = np.arange(1, max(1, min(engine.max_num_seqs, n)) + 1, dtype=np.float64)
-    step = np.asarray(cost.step_seconds(ks, ks, ks * ctx, ks * ctx), dtype=np.float64)
+    seats = engine.max_num_seqs
+    short = float(workload.prompt_len[~tail].min()) if len(others) else 1.0
+    k, m = np.meshgrid(np.arange(1, min(n, seats) + 1), np.arange(0, seats), indexing="ij")
+    ok = (k + m <= seats) & (m <= len(others))
+    k, m = k[ok].astype(np.float64), m[ok].astype(np.float64)
+    kv = k * ctx + m * short
+    d = np.asarray(cost.step_seconds(k + m, k + m, kv, kv), dtype=np.float64)
+    rate = float(cost.step_seconds(seats, seats, seats * short, seats * short)) / seats
     allowed = bct_s / longest
-    res = linprog(step / ks, A_ub=step[None], b_ub=[allowed], A_eq=np.ones((1, len(ks))), b_eq=[1.0],
-                  bounds=(0, None), method="highs")
-    per_row_step = float(res.fun) if res.status == 0 else float("inf")
-    return TailNeed(n, longest, allowed, n * longest * per_row_step, workers * bct_s)
+    # variables: y (one per step kind), then z
+    objective = np.append(d, rate)
+    a_ub = np.vstack([np.append(k * d, 0.0), np.append(-m, -1.0)])
+    b_ub = [n * bct_s, -rest]
+    a_eq = np.append(k, 0.0)[None]
+    res = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=[n * longest], bounds=(0, None), method="highs")
+    need = float(res.fun) if res.status == 0 else float("inf")
+    return TailNeed(n, longest, allowed, need, workers * bct_s)
+
+
+def tail_bound(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int, upper_s: float,
+               rel: float = 1e-3) -> float:
+    """The least BCT that tail_need does not rule out, up to `upper_s` (bisection to `rel`): a lower
+    bound on every schedule's BCT, beside ideal_bound's."""
+    lo, hi = 0.0, upper_s
+    if not tail_need(workload, cost, engine, workers, hi).feasible:
+        return hi
+    while hi - lo > rel * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if tail_need(workload, cost, engine, workers, mid).feasible else (mid, hi)
+    return hi
 
 
 def fifo_bct(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int,
