@@ -2,8 +2,8 @@
 always-aggregate vs the agreement bypass, in one run (ratios; seconds vary with the machine).
 
 4 tiny proposers with a 10x spread in output length (4 to 40 tokens, ignore_eos) and skewed
-routing: the long model (also the largest: hidden 384, 4 layers, ~40x the FLOPs per token of the
-others, so the job is compute-bound as on a GPU at full batch) is in 60% of the rows' routes. Two of the short proposers share
+routing: the long model (also the largest: hidden 768, 4 layers, ~200x the matmul FLOPs per token
+of the others, so the job is compute-bound as on a GPU at full batch) is in 60% of the rows' routes. Two of the short proposers share
 weights (they always agree), so rows routed to both reach confidence 2/3 and skip the aggregator
 at skip_threshold 0.6; at 1.0 only rows whose three answers agree skip; inf never skips; 0.0
 skips every row (no aggregator at all: the expert stage alone, for the placement comparison).
@@ -44,8 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 def build(root: Path) -> dict[str, Path]:
     import tiny_models
 
-    # the long model is also the largest (4x the FLOPs per token of the others): a reasoning expert
-    big = {"hidden_size": 384, "intermediate_size": 1024, "num_attention_heads": 6, "num_key_value_heads": 2,
+    # the long model is also the largest (~200x the matmul FLOPs per token of the others): a
+    # reasoning expert. At hidden 384 (~50x) a decode step's cost on this CPU was still a third per
+    # forward, so two replicas' half batches cost ~35% more CPU than one full batch; at 768 a step
+    # is compute-bound, as a GPU's is at full batch, which is the regime placement is for.
+    big = {"hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12, "num_key_value_heads": 2,
            "num_hidden_layers": 4}
     specs = {"long": ("llama", 1, big), "twin1": ("llama", 2, {}), "twin2": ("llama", 2, {}),
              "short": ("qwen2", 3, {})}
