@@ -16,6 +16,7 @@ longest rows first; `isolated_bct` also gives the rows of at least `min_len` tok
 workers (smaller batches, faster steps), the rest sharing the others. On the simulated fleet
 neither comes near `ideal_bound` (README, simulated fleet): the bound's "longest row alone"
 term holds for one row, while a heavy tail has hundreds that would each need a GPU to itself.
+`tail_need` / `tail_bound` turn that into a lower bound on every schedule's BCT.
 """
 from __future__ import annotations
 
@@ -80,43 +81,61 @@ class TailNeed:
         return self.gpu_seconds <= self.fleet_seconds
 
 
-def tail_need(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int, bct_s: float) -> TailNeed:
+def tail_need(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int, bct_s: float,
+              buckets: int = 8) -> TailNeed:
     """A counting argument against ending by `bct_s`, whatever the schedule (a linear program,
-    scipy's HiGHS). Each of the n rows at the longest length L runs L steps one after another, so
-    their steps may average at most bct_s / L. Variables: y[k, m], how many steps hold k of them and
-    m other rows, each lasting d[k, m] = step_seconds(k + m rows; KV: k at the long rows' mean
-    context, m at the shortest prompt of the others), and z, the other rows' tokens made in steps
-    without long rows, each at least a full batch's per-token time at that shortest prompt. Then
-    sum k y = n L, sum k d y <= n bct_s, z >= (the other rows' tokens) - sum m y, and the device
-    time sum d y + z x that rate is at least the LP's minimum. Every choice under-prices (mates at
-    their shortest context, no prefill, no KV limit; the step cost is convex in context, so the
-    long rows' mean context under-prices theirs): a minimum over the fleet's workers x bct_s means
-    no schedule ends by bct_s."""
+    scipy's HiGHS). Each of the n rows at the longest length L runs its L steps one after
+    another, at contexts that grow by one a step whatever the schedule, so its steps' times may
+    add up to at most bct_s. A step of k such rows and m others lasts at least
+    a(k + m) + c x (its KV tokens): step_seconds at no KV plus its slope there (the cost is convex
+    in KV, so this tangent is under it). Variables x[k, m, b]: the long rows' steps taken in steps
+    of k long rows and m others while their own context is in bucket b (of `buckets` along L;
+    the bucket's least context, from the shortest long prompt); z: the other rows' tokens made
+    without long rows, each at least a full batch's per-token time at the shortest other prompt.
+    Mates' KV is counted through the k-weighted sum of the long rows' own contexts (each unit of
+    x adds k x its context to the time the k rows spend, and its context once to the device time),
+    the others' at their shortest prompt; no prefill, no KV limit. Constraints: each bucket's
+    n L / buckets steps, the long rows' total time <= n x bct_s, z >= the other rows' tokens
+    minus those made beside long rows. A least device time above workers x bct_s means no
+    schedule ends by bct_s."""
     from scipy.optimize import linprog
+    from scipy.sparse import csr_matrix, vstack
 
     longest = int(workload.output_len.max())
     tail = workload.output_len == longest
     n = int(tail.sum())
     others = workload.output_len[~tail]
     rest = float(others.sum())
-    ctx = float(workload.prompt_len[tail].mean()) + longest / 2
     seats = engine.max_num_seqs
-    short = float(workload.prompt_len[~tail].min()) if len(others) else 1.0
+    short = float(workload.prompt_len[~tail].min()) if len(others) else 0.0
     k, m = np.meshgrid(np.arange(1, min(n, seats) + 1), np.arange(0, seats), indexing="ij")
     ok = (k + m <= seats) & (m <= len(others))
     k, m = k[ok].astype(np.float64), m[ok].astype(np.float64)
-    kv = k * ctx + m * short
-    d = np.asarray(cost.step_seconds(k + m, k + m, kv, kv), dtype=np.float64)
+    rows = k + m
+    base = np.asarray(cost.step_seconds(rows, rows, 0.0, 0.0), dtype=np.float64)        # a(k + m)
+    # c: the chord over the first KV token; convexity keeps a + c x KV under the cost for KV >= 1
+    slope = np.maximum(np.asarray(cost.step_seconds(rows, rows, 1.0, 1.0), dtype=np.float64) - base, 0.0)
+    first = float(workload.prompt_len[tail].min())
+    ctx = first + np.arange(buckets) * (longest / buckets)                               # [B]
+    per_bucket = n * longest / buckets
+    p_count = len(k)
+    # x laid out bucket-major: x[b * P + j]
+    kk, mm, bb, sl = np.tile(k, buckets), np.tile(m, buckets), np.repeat(ctx, p_count), np.tile(slope, buckets)
+    base_b = np.tile(base, buckets)
+    mate_kv = mm * short
+    time_coef = base_b + sl * (mate_kv + kk * bb)           # this unit's step time, mates' long KV via k x ctx
+    device_coef = (base_b + sl * mate_kv) / kk + sl * bb    # its share of the step's device time
+    made = mm / kk                                          # other rows' tokens made in its step, per unit
     rate = float(cost.step_seconds(seats, seats, seats * short, seats * short)) / seats
-    allowed = bct_s / longest
-    # variables: y (one per step kind), then z
-    objective = np.append(d, rate)
-    a_ub = np.vstack([np.append(k * d, 0.0), np.append(-m, -1.0)])
+    objective = np.append(device_coef, rate)
+    a_ub = csr_matrix(np.vstack([np.append(time_coef, 0.0), np.append(-made, -1.0)]))
     b_ub = [n * bct_s, -rest]
-    a_eq = np.append(k, 0.0)[None]
-    res = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=[n * longest], bounds=(0, None), method="highs")
+    cols = np.arange(buckets * p_count)
+    a_eq = csr_matrix((np.ones(len(cols)), (cols // p_count, cols)), shape=(buckets, buckets * p_count + 1))
+    res = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=vstack([a_eq]), b_eq=np.full(buckets, per_bucket),
+                  bounds=(0, None), method="highs")
     need = float(res.fun) if res.status == 0 else float("inf")
-    return TailNeed(n, longest, allowed, need, workers * bct_s)
+    return TailNeed(n, longest, bct_s / longest, need, workers * bct_s)
 
 
 def tail_bound(workload: Workload, cost: CostModel, engine: EngineSimConfig, workers: int, upper_s: float,
