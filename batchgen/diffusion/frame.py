@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..io.cells import is_na
 from .request import ImageRequest
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ def _requests(pdf: pd.DataFrame, defaults: dict[str, Any]) -> tuple[list[ImageRe
     for label, row in zip(pdf.index, pdf.to_dict("records")):
         kw = dict(defaults)
         for name in FIELDS:
-            if name in row and not _is_na(row[name]):
+            if name in row and not is_na(row[name]):
                 kw[name] = _plain(name, row[name])
         try:
             reqs.append(ImageRequest(**kw))
@@ -93,15 +94,6 @@ def _requests(pdf: pd.DataFrame, defaults: dict[str, Any]) -> tuple[list[ImageRe
             reqs.append(None)
             errors.append(f"row {label!r}: {exc}")
     return reqs, errors
-
-
-def _is_na(value: Any) -> bool:
-    import pandas as pd
-
-    try:
-        return bool(pd.isna(value))
-    except (TypeError, ValueError):
-        return False
 
 
 INT_FIELDS = ("class_label", "height", "width", "num_inference_steps", "seed")

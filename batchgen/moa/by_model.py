@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelLoadError
+from ..io.cells import is_na
 from ..outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def run_by_model(pdf: pd.DataFrame, models: Mapping[str, str | Path], model_colu
     outputs: list[RequestOutput | None] = [None] * len(requests)
     groups: dict[str, list[int]] = {}
     for i, name in enumerate(pdf[model_column].tolist()):
-        key = name if isinstance(name, str) else None if _is_na(name) else str(name)  # {1: dir} names 1 as "1"
+        key = name if isinstance(name, str) else None if is_na(name) else str(name)  # {1: dir} names 1 as "1"
         if key in specs:
             groups.setdefault(key, []).append(i)
         else:
@@ -79,10 +80,3 @@ def spec_for_meta(models: Mapping[str, str | Path], options: Mapping[str, Any]) 
     return specs
 
 
-def _is_na(value: Any) -> bool:
-    import pandas as pd
-
-    try:
-        return bool(pd.isna(value))
-    except (TypeError, ValueError):
-        return False

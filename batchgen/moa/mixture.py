@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BatchgenError
+from ..io.cells import is_na
 from ..sampling_params import SamplingParams
 from .agreement import Extract, make_extract, vote
 from .placement import POLICIES, ModelCost, Placement, Policy
@@ -187,7 +188,7 @@ class MoA:
             value = row[self.route]
         if isinstance(value, str):
             value = [value]
-        elif value is None or (not hasattr(value, "__len__") and _is_na(value)):
+        elif value is None or (not hasattr(value, "__len__") and is_na(value)):
             raise BatchgenError("route gave no experts (None/NA)")
         elif not hasattr(value, "__iter__"):
             raise BatchgenError(f"route must give a proposer name or a list of them, got {value!r}")
@@ -339,15 +340,6 @@ def _extract(extract: Extract, text: str) -> tuple[str | None, str | None]:
     except Exception as exc:  # noqa: BLE001
         return None, f"extract: {type(exc).__name__}: {exc}"
     return (None if answer is None else answer if isinstance(answer, str) else str(answer)), None
-
-
-def _is_na(value: Any) -> bool:
-    import pandas as pd
-
-    try:
-        return bool(pd.isna(value))
-    except (TypeError, ValueError):
-        return False
 
 
 def _same(a: str, b: str) -> bool:
