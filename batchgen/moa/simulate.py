@@ -83,8 +83,7 @@ def simulate_expert_stage(models: Mapping[str, SimModel], rows_per_model: Mappin
         for worker, by_model in p.rows.items():
             for name, rows in by_model.items():
                 w, cost = loads[name]
-                idx = np.asarray(rows, dtype=np.int64)
-                part = Workload(w.name, w.prompt_len[idx], w.output_len[idx], w.max_tokens[idx])
+                part = w.take(np.asarray(rows, dtype=np.int64))
                 worker_s[worker] += models[name].load_s + simulate(part, cost, engine, Static(),
                                                                    ClusterSimConfig(1)).bct_s
         out[policy] = SimStage(p, max(worker_s.values()), worker_s)

@@ -60,8 +60,7 @@ def isolated_bct(workload: Workload, cost: CostModel, engine: EngineSimConfig, w
         return length_aware_bct(workload, cost, engine, workers)
 
     def part(mask: np.ndarray, w: int) -> float:
-        sub = Workload(workload.name, workload.prompt_len[mask], workload.output_len[mask], workload.max_tokens[mask])
-        return length_aware_bct(sub, cost, engine, w) if mask.any() else 0.0
+        return length_aware_bct(workload.take(mask), cost, engine, w) if mask.any() else 0.0
 
     return max(part(long, isolated_workers), part(~long, workers - isolated_workers))
 

@@ -84,7 +84,11 @@ class Workload:
         return int(self.output_len.sum())
 
     def head(self, n: int) -> Workload:
-        return Workload(self.name, self.prompt_len[:n], self.output_len[:n], self.max_tokens[:n])
+        return self.take(slice(None, n))
+
+    def take(self, rows: slice | np.ndarray) -> Workload:
+        """The rows a slice, index array or boolean mask picks, in that order."""
+        return Workload(self.name, self.prompt_len[rows], self.output_len[rows], self.max_tokens[rows])
 
 
 def synthetic(kind: str, rows: int, seed: int = 0, order: Order = "random") -> Workload:
