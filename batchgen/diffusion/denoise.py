@@ -6,7 +6,7 @@ to the same forward (CFG doubles the batch, not the forwards).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +27,10 @@ class Live:
     scheduler: Any
     generator: torch.Generator
     stochastic: bool
+    batched: bool = field(init=False)  # its steps can join one ddim_batch step (read once, not every step)
+
+    def __post_init__(self) -> None:
+        self.batched = not self.stochastic and ddim_batch.batchable(self.scheduler)
 
 
 def group_inputs(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], uncond: dict[str, torch.Tensor] | None
@@ -75,7 +79,7 @@ def apply_output(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], out:
         rows = torch.tensor(guided, device=out.device)
         pred = pred.clone()
         pred[rows] = uncond + scale * (pred[rows] - uncond)
-    batched = [i for i, lv in enumerate(live) if not lv.stochastic and ddim_batch.batchable(lv.scheduler)]
+    batched = [i for i, lv in enumerate(live) if lv.batched]
     if len(batched) > 1:
         idx = torch.tensor(batched, device=out.device)
         steps = [live[i].scheduler.timesteps[trajs[i].step] for i in batched]
