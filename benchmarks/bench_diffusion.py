@@ -3,7 +3,7 @@
 Tiny random DiT pipeline (diffusers-built), small (16x16 px: 16 tokens) and large (48x48 px:
 144 tokens) images, 10-50 steps each, arrival order shuffled, all submitted at t = 0.
 80 requests by default: with 8 in flight per worker, 40 are 2.5 static batches per worker and the
-draw of the job decides much of the ratio (the calibrated cost model's estimate of static /
+draw of the job decides much of the ratio (the calibrated cost model's estimate, before forwards were packed, of static /
 batchgen makespan over seeds 0-9: 1.38-1.95 at 40 requests, 1.43-1.62 at 80; this job, seed 0,
 is the lowest of the ten at 40 (1.38) and 1.58 at 80, median 1.54).
 
@@ -17,7 +17,8 @@ is the lowest of the ten at 40 (1.38) and 1.58 at 80, median 1.54).
             forwards and flatter batchgen; a larger one would hold more in flight than batchgen may).
   batchgen  run_on_cluster as it runs by default (elastic): requests dealt to the workers by
             the calibrated cost model, each worker running free (requests join between steps in
-            --policy order, finished ones leave at once, one forward per latent shape and step),
+            --policy order, finished ones leave at once, one token-packed forward per step for
+            all latent shapes: packed.py; --no-pack: one forward per shape and step),
             an idle worker handed queued requests or trajectories (suspended and resumed at a
             step boundary), and two workers entering lockstep rounds at degree 2 (Ulysses) only
             where the cost model says a trajectory runs faster spread than alone.
@@ -43,6 +44,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +151,8 @@ def main() -> int:
     ap.add_argument("--slo", type=float, default=4.0, help="deadline = SLO x standalone time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", nargs="+", default=["static", "batchgen"], choices=("static", "batchgen", "free"))
+    ap.add_argument("--no-pack", action="store_true",
+                    help="ablation: batchgen's cost model with packed=False (one forward per latent shape and step)")
     args = ap.parse_args()
     args.static_batch = args.static_batch or args.max_running
     load_start = os.getloadavg()[0]
@@ -166,6 +170,8 @@ def main() -> int:
                       env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as cluster, Client(cluster) as client:
         client.run(warm, model)
         cost = calibrate_cluster(client, model, rows=(1, 4, 8, 12, 16), latents=(8, 24), repeats=5)
+        if args.no_pack:
+            cost = replace(cost, packed=False)
         print(f"cost model (these workers): {cost}", file=sys.stderr)
         for n, px in ((16, 16), (144, 48)):
             for rows in (1, 2, 8):
@@ -200,7 +206,7 @@ def main() -> int:
                     best[name] = (mk, sum(lat) / len(lat), over, moved, spread, looser)
                 cpus.setdefault(name, []).append(cpu)
     print(f"requests {args.requests} (sizes 16/48 px, 10-50 steps, CFG mixed), policy {args.policy}, "
-          f"static batch {args.static_batch}, best of {args.repeats}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+          f"static batch {args.static_batch}, {'not packed, ' if args.no_pack else ''}best of {args.repeats}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     s = best.get("static")
     for name in ("batchgen", "free"):
         if s is None or name not in best:

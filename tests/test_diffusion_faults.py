@@ -132,12 +132,17 @@ def test_a_forward_or_decode_that_raises_fails_only_its_request(dit_dir, monkeyp
             ImageRequest(class_label=2, height=32, width=16, num_inference_steps=2, seed=2),  # its decode raises
             ImageRequest(class_label=3, num_inference_steps=2, guidance_scale=1.0, seed=3)]
     want = DiffusionEngine(dit_dir).generate_outputs([reqs[0], reqs[3]])
-    predict, decode = denoise.predict, engine_mod.decode
+    predict, packed, decode = denoise.predict, denoise.predict_packed, engine_mod.decode
 
     def bad_predict(pipe, x, t, cond, sp=None):
         if 7 in cond["class_labels"].tolist():
             raise RuntimeError("out of memory (injected)")
         return predict(pipe, x, t, cond, sp)
+
+    def bad_packed(pipe, parts):  # both shapes' groups in one packed forward: it fails, then each alone
+        if any(7 in cond["class_labels"].tolist() for _, _, cond in parts):
+            raise RuntimeError("out of memory (injected)")
+        return packed(pipe, parts)
 
     def bad_decode(pipe, latents):
         if any(z.shape[-2] == 16 for z in latents):
@@ -145,6 +150,7 @@ def test_a_forward_or_decode_that_raises_fails_only_its_request(dit_dir, monkeyp
         return decode(pipe, latents)
 
     monkeypatch.setattr(denoise, "predict", bad_predict)
+    monkeypatch.setattr(denoise, "predict_packed", bad_packed)
     monkeypatch.setattr(engine_mod, "decode", bad_decode)
     engine = DiffusionEngine(dit_dir)
     outs = engine.generate_outputs(reqs)

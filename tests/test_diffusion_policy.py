@@ -221,7 +221,7 @@ def test_deal_balances_the_estimate_and_keeps_priority_order():
 
 
 def test_handover_moves_what_shortens_the_longer_worker():
-    from batchgen.diffusion.steal import handover
+    from batchgen.diffusion.steal import handover, worker_time
 
     # two large ones of 30 steps on one worker: one moves; a third with one step left stays
     assert handover([_v(0, 30, tokens=64), _v(1, 30, tokens=64), _v(2, 0, tokens=64)], SP_COST) == (0,)
@@ -229,10 +229,17 @@ def test_handover_moves_what_shortens_the_longer_worker():
     assert handover([_v(0, 30, tokens=64)], SP_COST) == ()
     # the long one of four goes, the short ones stay (1.92 s vs 3 x 0.16 s)
     assert handover([_v(0, 30, tokens=64), _v(1, 10), _v(2, 10), _v(3, 10)], SP_COST) == (0,)
-    # under a cost of fixed time per forward, moving one of a shape saves only its extra steps
-    fixed = CostModel(fixed=0.01, per_token=0.0, per_attn=0.0)
+    # under a cost of fixed time per forward and one forward per shape, moving one of a shape
+    # saves only its extra steps; the only one of its shape takes its forwards with it
+    fixed = CostModel(fixed=0.01, per_token=0.0, per_attn=0.0, packed=False)
     assert handover([_v(0, 30), _v(1, 29)], fixed) == ()
     assert handover([_v(0, 30), _v(1, 10, key=BIG)], fixed) == (0,)
+    # packed (one forward a step for every shape): that move saves nothing, the owner still
+    # steps 30 times; a worker's time is its longest trajectory's steps
+    packed = CostModel(fixed=0.01, per_token=0.0, per_attn=0.0)
+    assert handover([_v(0, 30), _v(1, 10, key=BIG)], packed) == ()
+    assert worker_time([_v(0, 30), _v(1, 10, key=BIG)], packed) == pytest.approx(0.30)
+    assert worker_time([_v(0, 30), _v(1, 10, key=BIG)], fixed) == pytest.approx(0.40)
 
 
 def test_spread_plan_only_when_a_round_over_both_is_shorter():
@@ -265,3 +272,24 @@ def test_forwards_past_the_efficient_batch_are_split_and_priced_so():
     samples = [(r * 144, 144, r * 144 * s) for r, s in per_token.items()] + [(16, 16, 2.5e-3), (256, 16, 6e-3)]
     assert fit_cap(samples) == 12 * 144
     assert fit_cap([x for x in samples if x[0] != 16 * 144]) is None  # nothing timed past the best
+
+
+def test_packed_forwards_pay_one_fixed_cost_per_worker_step():
+    from batchgen.diffusion.plan import ClusterState, Placed, plan_round
+    from batchgen.diffusion.policy import pack_forwards
+
+    small, big = [_v(0, 5), _v(1, 5)], [_v(2, 5, tokens=64, key=BIG)]
+    # one worker's step: both shapes in one forward, one fixed cost
+    assert COST.pack_time([(32, 16), (64, 64)]) == pytest.approx(COST.step_time(32, 16) + COST.step_time(64, 64) - COST.fixed)
+    unpacked = CostModel(fixed=1e-3, per_token=1e-5, per_attn=1e-7, packed=False)
+    assert unpacked.pack_time([(32, 16), (64, 64)]) == pytest.approx(unpacked.step_time(32, 16) + unpacked.step_time(64, 64))
+    assert pack_forwards([small, big], COST) == [[0, 1]]
+    assert pack_forwards([small, big], unpacked) == [[0], [1]]
+    # within max_batch_tokens: 32 + 64 tokens fit 100, a third forward of 64 does not
+    capped = CostModel(fixed=1e-3, per_token=1e-5, per_attn=0.0, max_batch_tokens=100)
+    assert pack_forwards([small, big, [_v(3, 5, tokens=64, key=SMALL)]], capped) == [[0, 1], [2]]
+    # the elastic plan prices a worker's degree-1 forwards the same way
+    state = ClusterState((0,), tuple(Placed(v, (0,)) for v in small + big), (), 0.0)
+    for cost in (COST, unpacked):
+        plan = plan_round(state, "fcfs", cost)
+        assert plan.est_round_s == pytest.approx(cost.pack_time([(32, 16), (64, 64)]))

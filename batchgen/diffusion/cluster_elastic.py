@@ -2,9 +2,9 @@
 
 Every worker of the job runs `elastic_loop` (a Dask task pinned to it). Most of the time a loop
 runs free, as a single engine would: it admits the requests dealt to it (steal.deal; each once
-it has arrived) while it has room, takes one step of its trajectories (one forward per latent
-shape, mixed timesteps), decodes and reports those that finish. No barrier, no exchange with the
-other workers per step.
+it has arrived) while it has room, takes one step of its trajectories (one packed forward for
+all latent shapes and timesteps where the pipeline packs, else one per shape), decodes and
+reports those that finish. No barrier, no exchange with the other workers per step.
 
 A worker left with nothing to run or admit registers on the job's `steal` queue and waits on
 its inbox. A busy worker that finds it there (it looks at most every POLL_S) decides (steal.py,
@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .cost import CostModel
 from .plan import ElasticOptions, Measured
-from .policy import TrajView, plan_step
+from .policy import TrajView, pack_forwards, plan_step
 from .request import ImageRequest
 
 _RECENT = 32   # forward samples a worker keeps for the cost model's correction
@@ -125,11 +125,19 @@ class Loop:
                 out.append(index)
         return out
 
-    def forward(self, indices: Sequence[int], shard: Any = None, ranks: tuple[int, ...] | None = None) -> None:
-        """One forward of these trajectories (one key), timed; degree len(ranks)."""
+    def forward(self, indices: Sequence[int], shard: Any = None, ranks: tuple[int, ...] | None = None) -> int:
+        """One forward of these trajectories, timed; degree len(ranks). Without a shard they may
+        be of several keys (one packed forward where the pipeline packs). -> how many samples it
+        added (one per key, each its modelled share of the forward's time)."""
         ranks = ranks or (self.me,)
-        views = [request_view(self.engine.pipe, i, self.requests[i], 0.0, None) for i in indices]
-        modelled = self.cost.step_time(sum(v.rows * v.tokens for v in views), views[0].tokens, len(ranks))
+        d = len(ranks)
+        parts: dict[tuple, list[int]] = {}  # key -> [batch tokens, tokens per image]
+        for i in indices:
+            v = request_view(self.engine.pipe, i, self.requests[i], 0.0, None)
+            part = parts.setdefault(v.key, [0, v.tokens])
+            part[0] += v.rows * v.tokens
+        own = {key: self.cost.step_time(bt, n, d) for key, (bt, n) in parts.items()}
+        modelled = self.cost.pack_time([tuple(p) for p in parts.values()]) if d == 1 else sum(own.values())
         began = time.perf_counter()
         tids = [self.held[i] for i in indices]
         if shard is None:
@@ -146,25 +154,32 @@ class Loop:
                 self.stats["first_sp_at"] = time.time()
         took = time.perf_counter() - began
         self.stats["forward_s"] += took
-        self.samples.append((self.me, views[0].key, len(ranks), modelled, took))
+        whole = sum(own.values())
+        for key, t in own.items():
+            self.samples.append((self.me, key, d, modelled * t / whole, took * t / whole))
         del self.samples[:-_RECENT]
         self.stats["forwards"] += 1
         self.stats["sp_forwards"] += shard is not None
-        self.stats["max_degree"] = max(self.stats["max_degree"], len(ranks))
+        self.stats["max_degree"] = max(self.stats["max_degree"], d)
+        return len(own)
 
     def step_free(self) -> None:
-        """One step of every owned running trajectory at degree 1 (one forward per key)."""
+        """One step of every owned running trajectory at degree 1: its plan_step groups (one
+        per key), packed into one forward where the cost model packs (policy.pack_forwards)."""
         running = self.running()
-        views = [self.view(i) for i in running]
+        views = {v.tid: v for v in (self.view(i) for i in running)}
         e = self.engine
-        groups = plan_step(views, self.policy, time.time(), self.cost, e.max_batch_rows, e.max_batch_tokens)
+        groups = plan_step(list(views.values()), self.policy, time.time(), self.cost, e.max_batch_rows,
+                           e.max_batch_tokens)
+        added = 0
+        for pack in pack_forwards([[views[i] for i in g] for g in groups], self.cost):
+            added += self.forward([i for k in pack for i in groups[k]])
         for group in groups:
-            self.forward(group)
             for i in group:
                 self.history.setdefault(i, []).append((self.me, 1))
         self.stats["steps"] += 1
-        if self.options.adapt and groups:
-            self.measured.update(self.samples[-len(groups):])
+        if self.options.adapt and added:
+            self.measured.update(self.samples[-added:])
 
     def report(self) -> None:
         """Decode the owned trajectories that are done (and admissions that failed) -> the out queue."""
@@ -212,6 +227,8 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
     degrees = allowed_degrees(engine.pipe, workers) if world else (1,)
     if options.max_degree is not None:
         degrees = tuple(d for d in degrees if d <= options.max_degree)
+    if cost.packed and not engine.pipe.packs:  # every worker loads the same model: all plan alike
+        cost = replace(cost, packed=False)
     w = Loop(engine, me, get_worker().address, job, requests, deadlines, arrivals, policy, options, cost, degrees,
              keep_arrays, Queue(f"bg-diff-out-{job}"), pending=list(mine), start=start)
     done, steal, inbox = Queue(f"bg-diff-done-{job}"), Queue(f"bg-diff-steal-{job}"), Queue(f"bg-diff-inbox-{job}-{me}")

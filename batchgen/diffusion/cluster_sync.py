@@ -14,8 +14,8 @@ trajectory over it and an idle one, and that idle one on the offer). A round is:
      owner's snapshot); members that leave it drop their copy. Every member holds the whole
      latents and the Ulysses forward takes its token shard, so a degree change moves state only
      to new members;
-  4. run: each member takes its degree-1 forwards, then the sequence-parallel ones it is a
-     member of, in the plan's order (every member applies the same scheduler step to the
+  4. run: each member takes its degree-1 forwards (packed into one where the cost model packs),
+     then the sequence-parallel ones it is a member of, in the plan's order (every member applies the same scheduler step to the
      all-gathered model output, so the copies stay identical);
   5. finish: the owner of a trajectory that took its last step decodes it and reports it; the
      other members drop their copies.
@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from .plan import ClusterState, Measured, Placed, plan_round
-from .policy import split_forward
+from .policy import pack_forwards, split_forward
 
 
 def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:
@@ -43,7 +43,7 @@ def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:
     group = Group.of(members, salt=salt)
     measured = Measured()
     groups: dict[int, tuple[int, ...]] = {}  # request index -> ranks, as of the last plan
-    fresh = -1                                # this member's forwards last round (-1: first round)
+    fresh = -1                                # this member's forward samples last round (-1: first round)
     w.stats["sync_phases"] += 1
     while True:
         t0 = time.perf_counter()
@@ -105,17 +105,17 @@ def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:
             return
         w.stats["est_s"] += plan.est_round_s
 
-        before = w.stats["forwards"]
+        # this member's degree-1 forwards, packed (they come first in the plan), then the
+        # sequence-parallel ones it is in, in the plan's order
+        solo = [part for fwd in plan.forwards if fwd.ranks == (me,)
+                for part in split_forward([w.view(i) for i in fwd.tids], w.cost)]
+        fresh = 0
+        for pack in pack_forwards([[w.view(i) for i in part] for part in solo], w.cost):
+            fresh += w.forward([i for k in pack for i in solo[k]])
         for n, fwd in enumerate(plan.forwards):
-            if me not in fwd.ranks:
-                continue
-            if len(fwd.ranks) == 1:  # past the cost model's max_batch_tokens: several forwards
-                for part in split_forward([w.view(i) for i in fwd.tids], w.cost):
-                    w.forward(part)
-            else:
-                w.forward(list(fwd.tids), UlyssesShard(Group.of(fwd.ranks, salt=f"{salt}:{w.stats['rounds']}:{n}")),
-                          fwd.ranks)
-        fresh = w.stats["forwards"] - before
+            if me in fwd.ranks and len(fwd.ranks) > 1:
+                fresh += w.forward(list(fwd.tids), UlyssesShard(Group.of(fwd.ranks, salt=f"{salt}:{w.stats['rounds']}:{n}")),
+                                   fwd.ranks)
         for index, g in target.items():
             w.history.setdefault(index, []).append((g[0], len(g)))
         for index, tid in list(w.held.items()):

@@ -7,12 +7,18 @@ T_batch: image tokens in the forward (rows x tokens per row), N: tokens per imag
 quadratic in N per row). max_batch_tokens (None: no limit) is the most image tokens one forward
 runs efficiently (beyond it, time per token rises: caches); a larger batch is run as
 ceil(T_batch / (max_batch_tokens x d)) forwards of equal share (policy.plan_step splits them so),
-and step_time prices it so. Torch-free; `calibrate.py` fits it by timing real forwards on this machine
+and step_time prices it so: chunks x (fixed + comm_fixed) + marginal, the marginal part linear in
+T_batch.
+
+packed: a worker's degree-1 forwards of one step, of any latent shapes, run as one forward
+(packed.py), so they pay one fixed cost between them (pack_time); False where the pipeline's
+blocks cannot be packed (one forward, one fixed cost, per shape). Torch-free; `calibrate.py` fits it by timing real forwards on this machine
 (`python -m batchgen.diffusion.calibrate`), the simulator and policy read it.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,24 +31,37 @@ class CostModel:
     per_comm_token: float = 1e-6
     comm_fixed: float = 1e-3
     max_batch_tokens: int | None = None
+    packed: bool = True
     source: str = ""  # what it was fitted from (calibrate.py); "" for these defaults
 
     def step_time(self, batch_tokens: int, tokens: int, degree: int = 1) -> float:
-        k = self.chunks(batch_tokens, degree)
-        if k > 1:
-            return k * self._one(batch_tokens / k, tokens, degree)
-        return self._one(batch_tokens, tokens, degree)
+        return self.chunks(batch_tokens, degree) * self.fixed_time(degree) + self.marginal(batch_tokens, tokens, degree)
+
+    def fixed_time(self, degree: int = 1) -> float:
+        """What one forward costs whatever its size."""
+        return self.fixed + (self.comm_fixed if degree > 1 else 0.0)
+
+    def marginal(self, batch_tokens: float, tokens: int, degree: int = 1) -> float:
+        """What `batch_tokens` image tokens of `tokens` per image add to a forward."""
+        t = (self.per_token * batch_tokens + self.per_attn * batch_tokens * tokens) / degree
+        if degree > 1:
+            t += self.per_comm_token * batch_tokens * (degree - 1) / degree
+        return t
+
+    def pack_time(self, parts: Sequence[tuple[int, int]]) -> float:
+        """Seconds for one worker's degree-1 forwards of a step; parts: (batch tokens, tokens per
+        image) of each latent shape. Packed: one forward (chunked by max_batch_tokens) for all."""
+        if not self.packed:
+            return sum(self.step_time(bt, n) for bt, n in parts)
+        total = sum(bt for bt, _ in parts)
+        if not total:
+            return 0.0
+        return self.chunks(total) * self.fixed + sum(self.marginal(bt, n) for bt, n in parts)
 
     def chunks(self, batch_tokens: float, degree: int = 1) -> int:
         """How many forwards a batch of `batch_tokens` is run as (max_batch_tokens)."""
         cap = self.max_batch_tokens
         return max(1, -(-int(batch_tokens) // (cap * degree))) if cap else 1
-
-    def _one(self, batch_tokens: float, tokens: int, degree: int) -> float:
-        t = self.fixed + (self.per_token * batch_tokens + self.per_attn * batch_tokens * tokens) / degree
-        if degree > 1:
-            t += self.comm_fixed + self.per_comm_token * batch_tokens * (degree - 1) / degree
-        return t
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")

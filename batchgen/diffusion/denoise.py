@@ -1,4 +1,5 @@
-"""One denoising step for a group of compatible trajectories: one transformer forward.
+"""One denoising step for a group of compatible trajectories: one transformer forward; or for
+several groups (latent shapes) at once: one token-packed forward (packed.py) when the pipeline packs.
 
 Each trajectory keeps its own timestep (a per-sample timestep tensor), its own scheduler and its
 own guidance scale; trajectories with guidance contribute a conditional and an unconditional row
@@ -13,6 +14,7 @@ import torch
 
 from . import ddim_batch
 from .forward import predict
+from .packed import predict_packed
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -114,3 +116,17 @@ def step_group(pipe: Pipeline, trajs: list[Trajectory], live: list[Live],
     x, t, cond = group_inputs(pipe, trajs, live, uncond)
     out = predict(pipe, x, t, cond, sp)
     apply_output(pipe, trajs, live, out)
+
+
+@torch.no_grad()
+def step_groups(pipe: Pipeline, groups: list[tuple[list[Trajectory], list[Live]]],
+                uncond: dict[str, torch.Tensor] | None) -> None:
+    """One step of several groups (each one latent shape): one packed forward for all when the
+    pipeline packs, else one forward per group."""
+    if len(groups) == 1 or not pipe.packs:
+        for trajs, live in groups:
+            step_group(pipe, trajs, live, uncond)
+        return
+    inputs = [group_inputs(pipe, trajs, live, uncond) for trajs, live in groups]
+    for (trajs, live), out in zip(groups, predict_packed(pipe, inputs)):
+        apply_output(pipe, trajs, live, out)

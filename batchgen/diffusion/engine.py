@@ -4,7 +4,8 @@
     images = engine.generate([ImageRequest(prompt="a red fox", height=256, width=256, seed=1)])
 
 Each `step()` admits waiting requests (conditioning computed once, batched), asks the policy
-which trajectories run and in which groups (one forward per group, mixed timesteps), advances
+which trajectories run and in which groups (a group per latent shape, at mixed timesteps; the
+groups run as one token-packed forward, packed.py, where the pipeline's blocks allow), advances
 them one denoising step, and decodes the finished ones in one batched VAE call per shape.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,9 +23,9 @@ from . import schedulers
 from .condition import encode_prompts, prompt_error
 from .cost import CostModel
 from .decode import decode, to_pil
-from .denoise import Live, step_group
+from .denoise import Live, step_group, step_groups
 from .pipeline import load_pipeline
-from .policy import TrajView, check_policy, plan_step
+from .policy import TrajView, check_policy, pack_forwards, plan_step
 from .request import ImageRequest
 from .trajectory import Status, Trajectory, from_bytes, to_bytes
 
@@ -70,6 +71,8 @@ class DiffusionEngine:
         native = (self.pipe.native_size // self.pipe.pixel_multiple) ** 2
         self.max_image_tokens = max_image_tokens or IMAGE_TOKENS_OVER_NATIVE * native
         self.cost = cost or CostModel()
+        if self.cost.packed and not self.pipe.packs:  # its forwards run one per latent shape
+            self.cost = replace(self.cost, packed=False)
         self._trajs: dict[int, Trajectory] = {}
         self._live: dict[int, Live] = {}
         self._meta: dict[int, tuple[float, float | None]] = {}  # tid -> (arrival, deadline)
@@ -137,34 +140,44 @@ class DiffusionEngine:
 
     # ---- coroutine API --------------------------------------------------------------------
     def step(self, now: float | None = None) -> list[ImageOutput]:
-        """Admit, take one denoising step for the planned trajectories, decode the finished;
-        -> the outputs finished in this step."""
+        """Admit, take one denoising step for the planned trajectories (one packed forward for
+        all their latent shapes when the pipeline packs, within the cost model's
+        max_batch_tokens), decode the finished; -> the outputs finished in this step."""
         self._admit()
         running = [t for t in self._trajs.values() if t.status is Status.RUNNING]
         if running:
-            views = [self._view(t) for t in running]
+            views = {t.tid: self._view(t) for t in running}
             now = time.time() if now is None else now
-            for group in plan_step(views, self.policy, now, self.cost, self.max_batch_rows, self.max_batch_tokens):
-                self._forward_contained([self._trajs[tid] for tid in group])
+            groups = plan_step(list(views.values()), self.policy, now, self.cost, self.max_batch_rows,
+                               self.max_batch_tokens)
+            for pack in pack_forwards([[views[tid] for tid in g] for g in groups], self.cost):
+                self._forward_contained([[self._trajs[tid] for tid in groups[i]] for i in pack])
         return self.collect()
 
-    def _forward_contained(self, trajs: list[Trajectory]) -> None:
+    def _forward_contained(self, groups: list[list[Trajectory]]) -> None:
         """_forward, where one that raises (out of memory for one huge image, ...) fails only the
-        trajectories that cannot step: a failed group is retried one trajectory at a time."""
-        before = [t.step for t in trajs]
+        trajectories that cannot step: a failed pack is retried one group at a time, a failed
+        group one trajectory at a time."""
+        before = {t.tid: t.step for g in groups for t in g}
         try:
-            self._forward(trajs)
+            self._forward(groups)
             return
         except Exception as exc:  # noqa: BLE001 - the request fails, the job goes on
-            if len(trajs) == 1:
-                self.fail(trajs[0].tid, f"denoising step {before[0]} failed: {type(exc).__name__}: {exc}")
+            if len(groups) == 1 and len(groups[0]) == 1:
+                t = groups[0][0]
+                self.fail(t.tid, f"denoising step {before[t.tid]} failed: {type(exc).__name__}: {exc}")
                 return
-        for t, step in zip(trajs, before):
-            if t.step != step:  # stepped before the failure
-                if t.remaining_steps == 0:
-                    t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
-                continue
-            self._forward_contained([t])
+        parts = groups if len(groups) > 1 else [[t] for t in groups[0]]
+        for part in parts:
+            left = []
+            for t in part:
+                if t.step != before[t.tid]:  # stepped before the failure
+                    if t.remaining_steps == 0:
+                        t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
+                else:
+                    left.append(t)
+            if left:
+                self._forward_contained([left])
 
     def suspend(self, tid: int) -> bytes:
         """Take a trajectory out at its step boundary -> bytes that `resume` (here or on another
@@ -239,21 +252,35 @@ class DiffusionEngine:
         self.step_trajectories([tid], sp)
 
     def step_trajectories(self, tids: Sequence[int], sp: UlyssesShard | None = None) -> None:
-        """One step of these trajectories in one forward (same group_key), sequence-parallel over
-        sp's group when given; those not running (failed at admission) are skipped."""
+        """One step of these trajectories in one forward, sequence-parallel over sp's group when
+        given (then all of one group_key); without sp, trajectories of several latent shapes run
+        as one packed forward (one per shape where the pipeline does not pack); those not
+        running (failed at admission) are skipped."""
         self._admit()
         trajs = [self._trajs[tid] for tid in tids if self._trajs[tid].status is Status.RUNNING]
-        if trajs:
-            self._forward(trajs, sp)
-
-    def _forward(self, trajs: list[Trajectory], sp: UlyssesShard | None = None) -> None:
-        """One forward of running trajectories of one group_key; those done move to DENOISED."""
-        step_group(self.pipe, trajs, [self._live[t.tid] for t in trajs], self._uncond, sp)
-        self.num_forwards += 1
-        self.num_steps_taken += len(trajs)
+        if not trajs:
+            return
+        by_key: dict[tuple, list[Trajectory]] = {}
         for t in trajs:
-            if t.remaining_steps == 0:
-                t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
+            by_key.setdefault(t.group_key, []).append(t)
+        if sp is not None and len(by_key) > 1:
+            raise ValueError(f"a sequence-parallel forward runs one latent shape, got {sorted(by_key)}")
+        self._forward(list(by_key.values()), sp)
+
+    def _forward(self, groups: list[list[Trajectory]], sp: UlyssesShard | None = None) -> None:
+        """One forward of running trajectories, a group per group_key (several only without sp:
+        packed); those done move to DENOISED."""
+        if sp is not None:
+            trajs = groups[0]
+            step_group(self.pipe, trajs, [self._live[t.tid] for t in trajs], self._uncond, sp)
+        else:
+            step_groups(self.pipe, [(g, [self._live[t.tid] for t in g]) for g in groups], self._uncond)
+        self.num_forwards += 1 if self.pipe.packs or sp is not None else len(groups)
+        for g in groups:
+            self.num_steps_taken += len(g)
+            for t in g:
+                if t.remaining_steps == 0:
+                    t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
 
     def fail(self, tid: int, error: str) -> None:
         """End a trajectory with `error` (its output comes at the next collect or step)."""

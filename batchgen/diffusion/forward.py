@@ -1,6 +1,8 @@
 """The transformer forward, staged so the token axis is reachable: patch-embed -> (shard tokens)
 -> blocks -> output head -> (gather tokens) -> unpatchify. The same code runs degree 1 (sp=None)
-and Ulysses sequence parallelism (sp: an sp.UlyssesShard), one timestep per sample.
+and Ulysses sequence parallelism (sp: an sp.UlyssesShard), one timestep per sample. A degree-1
+forward of a transformer packed.py can pack runs there instead (one part), like the forwards
+that pack several latent shapes, so both see the same arithmetic.
 
 Shapes: B samples (CFG halves included), C latent channels, h x w latent, p patch, N = hw/p^2
 tokens, D hidden, L text tokens.
@@ -12,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from .packed import predict_packed
+
 if TYPE_CHECKING:
     from .pipeline import Pipeline
     from .sp import UlyssesShard
@@ -21,6 +25,8 @@ def predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, cond: dict[str, to
             sp: UlyssesShard | None = None) -> torch.Tensor:
     """x: [B, C, h, w], t: [B] -> model output [B, C_out, h, w]. cond: DiT {"class_labels": [B]};
     PixArt {"embeds": [B, L, Dc], "mask": [B, L]} (+ "resolution" [B, 2], "aspect_ratio" [B, 1])."""
+    if sp is None and pipe.packs:
+        return predict_packed(pipe, [(x, t, cond)])[0]
     m = pipe.transformer
     p = pipe.patch_size
     hp, wp = x.shape[-2] // p, x.shape[-1] // p

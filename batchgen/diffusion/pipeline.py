@@ -46,6 +46,7 @@ class Pipeline:
     tokenizer: Any = None
     id2label: dict[int, str] = field(default_factory=dict)
     max_sequence_length: int = 0     # text pipelines: prompts are padded to this many tokens
+    packs: bool = False              # degree-1 forwards run token-packed (packed.py): set at load
 
     @property
     def latent_channels(self) -> int:
@@ -133,10 +134,13 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
 
     import diffusers
 
+    from .packed import packable
+
     transformer = _load_module(getattr(diffusers, TRANSFORMERS[family]), root / "transformer", torch_dtype)
     vae = _load_module(diffusers.AutoencoderKL, root / "vae", torch_dtype)
     pipe = Pipeline(path=root, pipeline_class=cls, family=family, transformer=transformer.to(device).eval(),
-                    vae=vae.to(device).eval(), scheduler_class=sched_class, scheduler_config=sched_config)
+                    vae=vae.to(device).eval(), scheduler_class=sched_class, scheduler_config=sched_config,
+                    packs=packable(transformer) is None)
     if family == "dit":
         pipe.id2label = {int(k): v for k, v in (index.get("id2label") or {}).items()}
     else:

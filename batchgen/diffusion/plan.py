@@ -126,7 +126,8 @@ class Measured:
 
 @dataclass(frozen=True, slots=True)
 class Forward:
-    """One forward of the round: these trajectories (same key) over these ranks."""
+    """One forward of the round: these trajectories (same key) over these ranks (a rank's
+    degree-1 ones run as packed forwards when the cost model packs: policy.pack_forwards)."""
 
     ranks: tuple[int, ...]
     tids: tuple[int, ...]
@@ -147,7 +148,9 @@ class RoundPlan:
 
 
 class _Loads:
-    """Per-forward batch tokens and per-rank load, updated in O(members) per move."""
+    """Per-forward batch tokens (per key) and per-rank load, updated in O(members) per move. A
+    rank's degree-1 forwards are one packed forward when the cost model packs (one fixed cost
+    for all its keys: CostModel.pack_time), else one forward per key."""
 
     def __init__(self, ranks: Sequence[int], cost: CostModel, scale: dict[tuple, float] | None = None,
                  speed: dict[int, float] | None = None, scale_default: float = 1.0) -> None:
@@ -155,20 +158,33 @@ class _Loads:
         self.scale = scale or {}
         self.speed = speed or {}
         self.scale_default = scale_default
-        self.batch: dict[tuple, int] = {}      # (ranks, key) -> rows x tokens
-        self.tokens: dict[tuple, int] = {}     # (ranks, key) -> tokens per image
+        self.batch: dict[tuple, dict[tuple, int]] = {}  # (ranks, key or None: packed) -> key -> rows x tokens
+        self.tokens: dict[tuple, int] = {}               # key -> tokens per image
         self.load = {r: 0.0 for r in ranks}
 
+    def _forward_of(self, group: tuple[int, ...], key: tuple) -> tuple:
+        return (group, None) if self.cost.packed and len(group) == 1 else (group, key)
+
     def _fwd(self, f: tuple) -> float:
-        bt = self.batch.get(f, 0)
+        keys = self.batch.get(f)
+        total = sum(keys.values()) if keys else 0
+        if not total:
+            return 0.0
         d = len(f[0])
-        return self.cost.step_time(bt, self.tokens[f], d) * self.scale.get((f[1], d), self.scale_default) if bt else 0.0
+        # the fixed part at the key's measured ratio (packed: the ratio of all forwards)
+        fixed_scale = self.scale_default if f[1] is None else self.scale.get((f[1], d), self.scale_default)
+        t = self.cost.chunks(total, d) * self.cost.fixed_time(d) * fixed_scale
+        for key, bt in keys.items():
+            if bt:
+                t += self.cost.marginal(bt, self.tokens[key], d) * self.scale.get((key, d), self.scale_default)
+        return t
 
     def add(self, v: TrajView, group: tuple[int, ...], sign: int = 1) -> None:
-        f = (group, v.key)
-        self.tokens.setdefault(f, v.tokens)
+        f = self._forward_of(group, v.key)
+        self.tokens.setdefault(v.key, v.tokens)
         before = self._fwd(f)
-        self.batch[f] = self.batch.get(f, 0) + sign * v.rows * v.tokens
+        keys = self.batch.setdefault(f, {})
+        keys[v.key] = keys.get(v.key, 0) + sign * v.rows * v.tokens
         delta = self._fwd(f) - before
         for r in group:
             self.load[r] += delta * self.speed.get(r, 1.0)

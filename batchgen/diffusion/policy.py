@@ -87,6 +87,26 @@ def split_forward(views: Sequence[TrajView], cost: CostModel) -> list[list[int]]
     return [sorted((v.tid for v in p), key=order.__getitem__) for p in parts if p]
 
 
+def pack_forwards(forwards: Sequence[Sequence[TrajView]], cost: CostModel) -> list[list[int]]:
+    """One worker's degree-1 forwards of a step (plan_step's groups) -> the indices of those run
+    together as one packed forward, in order: all in one when the cost model packs, each while
+    the total stays within max_batch_tokens (a forward split for passing it stays alone)."""
+    if not cost.packed:
+        return [[i] for i in range(len(forwards))]
+    cap = cost.max_batch_tokens
+    packs: list[list[int]] = []
+    filled = 0
+    for i, vs in enumerate(forwards):
+        tokens = sum(v.rows * v.tokens for v in vs)
+        if packs and (cap is None or filled + tokens <= cap):
+            packs[-1].append(i)
+            filled += tokens
+        else:
+            packs.append([i])
+            filled = tokens
+    return packs
+
+
 def best_degree(tokens: int, cost: CostModel, free: int, max_degree: int | None = None) -> int:
     """The sequence-parallel degree (1..free) with the lowest step time for `tokens` image
     tokens; small images stay at 1, large ones spread (GF-DiT's per-step table)."""

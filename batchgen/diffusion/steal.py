@@ -2,18 +2,19 @@
 does for an idle one (hand it queued requests or trajectories, or form a synchronised group).
 Torch-free, state in, decision out (cluster.py and cluster_elastic.py act on it).
 
-A worker's remaining time at degree 1 is estimated per latent shape (key), as its forwards run
-(one forward per key and step, every trajectory of that key in it):
+A worker's remaining time at degree 1 is estimated as its forwards run: one packed forward per
+step for all its trajectories when the cost model packs (cost.py), else one per latent shape
+(key), every trajectory of that key in it:
 
-    T = sum over keys: fixed x (most steps left of the key) + sum over its trajectories of
-        steps left x (step_time(rows x tokens, tokens) - fixed)
+    T = fixed x (most steps left of any trajectory; unpacked: summed over keys, each key's most)
+        + sum over trajectories of steps left x marginal(rows x tokens, tokens)
 
 `deal` gives each request, longest first, to the worker whose list it lengthens least by that
 estimate (list scheduling), so the workers start with lists of similar length; each admits its
 own list in the policy's priority order without asking anyone.
 
-Handing over the only trajectory of a key that runs longest saves its forwards' fixed cost;
-handing over one of many short ones saves little. `handover` takes trajectories, most
+Handing over the trajectory that runs longest (unpacked: the longest of its key) saves its
+forwards' fixed cost; handing over one of many short ones saves little. `handover` takes trajectories, most
 remaining work first, while that cuts max(owner's T, thief's T) by more than `gain` of it.
 When nothing is worth handing over, `spread_plan` asks plan.plan_round whether a round over
 owner and thief (degree > 1 for some trajectory) is shorter than the owner's round alone: only
@@ -38,8 +39,11 @@ def worker_time(views: Sequence[TrajView], cost: CostModel, scale: dict[tuple, f
     total = 0.0
     for key, vs in by_key.items():
         s = (scale or {}).get((key, 1), scale_default)
-        marginal = sum(v.remaining * (cost.step_time(v.rows * v.tokens, v.tokens) - cost.fixed) for v in vs)
-        total += s * (cost.fixed * max(v.remaining for v in vs) + marginal)
+        total += s * sum(v.remaining * cost.marginal(v.rows * v.tokens, v.tokens) for v in vs)
+        if not cost.packed:
+            total += s * cost.fixed * max(v.remaining for v in vs)
+    if cost.packed and views:
+        total += scale_default * cost.fixed * max(v.remaining for v in views)
     return total
 
 
@@ -49,16 +53,17 @@ def deal(views: Sequence[TrajView], ranks: Sequence[int], policy: str, now: floa
     order = {v.tid: n for n, v in enumerate(priority(views, policy, now, cost))}
     lists: dict[int, list[int]] = {r: [] for r in ranks}
     total = {r: 0.0 for r in ranks}
-    longest: dict[tuple, int] = {}  # (rank, key) -> most steps of that key on the rank
+    longest: dict[tuple, int] = {}  # (rank, key; packed: None) -> most steps of those on the rank
     # longest first (list scheduling's LPT rule), then each list back in priority order
     for v in sorted(views, key=lambda v: (-worker_time([v], cost), order[v.tid])):
-        marginal = v.remaining * (cost.step_time(v.rows * v.tokens, v.tokens) - cost.fixed)
+        marginal = v.remaining * cost.marginal(v.rows * v.tokens, v.tokens)
+        shared = None if cost.packed else v.key
 
         def grown(r: int) -> float:
-            return total[r] + marginal + cost.fixed * max(0, v.remaining - longest.get((r, v.key), 0))
+            return total[r] + marginal + cost.fixed * max(0, v.remaining - longest.get((r, shared), 0))
         r = min(ranks, key=lambda r: (grown(r), len(lists[r]), r))
         total[r] = grown(r)
-        longest[(r, v.key)] = max(longest.get((r, v.key), 0), v.remaining)
+        longest[(r, shared)] = max(longest.get((r, shared), 0), v.remaining)
         lists[r].append(v.tid)
     return {r: sorted(tids, key=order.__getitem__) for r, tids in lists.items()}
 
