@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import RequestError, StateError
+from ..malloc import restore_heap_reuse as _restore_heap_reuse
 from . import schedulers
 from .condition import encode_prompts, prompt_error
 from .cost import CostModel
@@ -53,16 +54,21 @@ class DiffusionEngine:
     def __init__(self, model: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
                  policy: str = "fcfs", max_batch_rows: int = 64, max_batch_tokens: int | None = None,
                  max_sequence_length: int | None = None, cost: CostModel | None = None,
-                 max_image_tokens: int | None = None) -> None:
+                 max_image_tokens: int | None = None, restore_heap_reuse: bool = True) -> None:
         """Load the pipeline at `model` (ModelLoadError / UnsupportedModelError name what is wrong).
         policy: "fcfs" | "srwf" | "deadline"; max_batch_rows / max_batch_tokens: the most rows
         (CFG rows count twice) / image tokens in one step's forwards; max_image_tokens: the most
         image tokens one request may have (default: IMAGE_TOKENS_OVER_NATIVE x the model's native
-        size, e.g. 1024 x 1024 px for a 256 px DiT); a larger request fails alone."""
+        size, e.g. 1024 x 1024 px for a 256 px DiT); a larger request fails alone.
+        restore_heap_reuse: where Dask's MALLOC_TRIM_THRESHOLD_ pins glibc's thresholds, raise
+        them for this process (batchgen/malloc.py; measured: a worker's denoising loop ran 1.4-1.7x
+        slower without, its activations faulting in fresh pages every forward)."""
         for name, value in (("max_batch_rows", max_batch_rows), ("max_batch_tokens", max_batch_tokens),
                             ("max_image_tokens", max_image_tokens)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if restore_heap_reuse:
+            _restore_heap_reuse()  # process-wide, once
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.pipe = load_pipeline(model, dtype=dtype, device=self.device, max_sequence_length=max_sequence_length)
         self.model_key = str(self.pipe.path.resolve())
