@@ -72,8 +72,9 @@ class _Layout:
             parts.append((start, row, b, n))
             start += b * n
             row += b
-        counts = torch.tensor([n for b, n in sizes for _ in range(b)], device=device)
-        return cls(tuple(parts), torch.repeat_interleave(torch.arange(row, device=device), counts))
+        # built on the host, then copied: no device sync for repeat_interleave's output size
+        counts = torch.tensor([n for b, n in sizes for _ in range(b)])
+        return cls(tuple(parts), torch.repeat_interleave(torch.arange(row), counts).to(device, non_blocking=True))
 
     def per_token(self, v: torch.Tensor) -> torch.Tensor:
         """[R, ..., D] per-sample values -> [T, D] (each token its sample's)."""
