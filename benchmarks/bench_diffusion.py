@@ -31,7 +31,9 @@ hence what the policy chooses.
 
 Reports makespan, mean latency and the share of requests over their deadline (deadline = arrival
 + --slo x the request's own standalone time, from the calibrated cost model), as ratios of the
-two systems measured in the same run (best of --repeats, interleaved).
+two systems measured in the same run (best of --repeats, interleaved), and the makespan ratio of
+each repeat's pair of runs (back to back, so both see the same state of a noisy machine) with
+their median.
 
     python benchmarks/bench_diffusion.py --systems static batchgen free --repeats 3   # ~2 minutes on 2 quiet cores
     python benchmarks/bench_diffusion.py --requests 16 --repeats 1   # smoke run
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -187,6 +190,7 @@ def main() -> int:
             deadlines.append(args.slo * alone)
         best: dict[str, tuple] = {}
         cpus: dict[str, list[float]] = {}  # worker processes' CPU seconds per run: robust to other load
+        spans: dict[str, list[float]] = {}  # makespan per run, in repeat order (for per-repeat pairs)
         for rep in range(args.repeats):
             for name in args.systems if rep % 2 == 0 else args.systems[::-1]:
                 if name == "static":
@@ -205,6 +209,7 @@ def main() -> int:
                 if name not in best or mk < best[name][0]:
                     best[name] = (mk, sum(lat) / len(lat), over, moved, spread, looser)
                 cpus.setdefault(name, []).append(cpu)
+                spans.setdefault(name, []).append(mk)
     print(f"requests {args.requests} (sizes 16/48 px, 10-50 steps, CFG mixed), policy {args.policy}, "
           f"static batch {args.static_batch}, {'not packed, ' if args.no_pack else ''}best of {args.repeats}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     s = best.get("static")
@@ -218,6 +223,10 @@ def main() -> int:
               + "/".join(f"{v:.0%}" for v in s[5].values()) + f", {name} " + "/".join(f"{v:.0%}" for v in b[5].values())
               + f"); migrated {b[3]}, steps at degree 2: {b[4]}; worker CPU static / {name} = "
               f"{min(cpus['static']) / min(cpus[name]):.2f}x (least of each)")
+        # each repeat runs the systems back to back: a pair sees the same state of the machine
+        pairs = [a / b for a, b in zip(spans["static"], spans[name])]
+        print(f"{name}: makespan static / {name} per repeat: " + ", ".join(f"{r:.2f}" for r in pairs)
+              + f"; median {statistics.median(pairs):.2f}x")
     return 0
 
 
