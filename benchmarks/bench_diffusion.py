@@ -3,9 +3,9 @@
 Tiny random DiT pipeline (diffusers-built), small (16x16 px: 16 tokens) and large (48x48 px:
 144 tokens) images, 10-50 steps each, arrival order shuffled, all submitted at t = 0.
 80 requests by default: with 8 in flight per worker, 40 are 2.5 static batches per worker and the
-draw of the job decides much of the ratio (the calibrated cost model's estimate, before forwards were packed, of static /
-batchgen makespan over seeds 0-9: 1.38-1.95 at 40 requests, 1.43-1.62 at 80; this job, seed 0,
-is the lowest of the ten at 40 (1.38) and 1.58 at 80, median 1.54).
+draw of the job decides much of the ratio (the calibrated cost model's estimate, before forwards
+were packed, of static / batchgen makespan over seeds 0-9: 1.38-1.95 at 40 requests, 1.43-1.62
+at 80; this job, seed 0, is the lowest of the ten at 40 (1.38) and 1.58 at 80, median 1.54).
 
   static    requests cut into batches of --static-batch in arrival order, batches dealt
             round-robin to the workers and fixed there. A batch runs as a request-level batcher

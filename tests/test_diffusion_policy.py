@@ -280,9 +280,10 @@ def test_packed_forwards_pay_one_fixed_cost_per_worker_step():
 
     small, big = [_v(0, 5), _v(1, 5)], [_v(2, 5, tokens=64, key=BIG)]
     # one worker's step: both shapes in one forward, one fixed cost
-    assert COST.pack_time([(32, 16), (64, 64)]) == pytest.approx(COST.step_time(32, 16) + COST.step_time(64, 64) - COST.fixed)
+    parts = [(32, 16), (64, 64)]
+    assert COST.pack_time(parts) == pytest.approx(COST.step_time(32, 16) + COST.step_time(64, 64) - COST.fixed)
     unpacked = CostModel(fixed=1e-3, per_token=1e-5, per_attn=1e-7, packed=False)
-    assert unpacked.pack_time([(32, 16), (64, 64)]) == pytest.approx(unpacked.step_time(32, 16) + unpacked.step_time(64, 64))
+    assert unpacked.pack_time(parts) == pytest.approx(unpacked.step_time(32, 16) + unpacked.step_time(64, 64))
     assert pack_forwards([small, big], COST) == [[0, 1]]
     assert pack_forwards([small, big], unpacked) == [[0], [1]]
     # within max_batch_tokens: 32 + 64 tokens fit 100, a third forward of 64 does not

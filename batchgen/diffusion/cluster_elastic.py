@@ -156,7 +156,8 @@ class Loop:
         self.stats["forward_s"] += took
         whole = sum(own.values())
         for key, t in own.items():
-            self.samples.append((self.me, key, d, modelled * t / whole, took * t / whole))
+            share = t / whole if whole > 0 else 1 / len(own)  # a cost model of all zeros: even shares
+            self.samples.append((self.me, key, d, modelled * share, took * share))
         del self.samples[:-_RECENT]
         self.stats["forwards"] += 1
         self.stats["sp_forwards"] += shard is not None

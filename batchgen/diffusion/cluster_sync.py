@@ -15,8 +15,9 @@ trajectory over it and an idle one, and that idle one on the offer). A round is:
      latents and the Ulysses forward takes its token shard, so a degree change moves state only
      to new members;
   4. run: each member takes its degree-1 forwards (packed into one where the cost model packs),
-     then the sequence-parallel ones it is a member of, in the plan's order (every member applies the same scheduler step to the
-     all-gathered model output, so the copies stay identical);
+     then the sequence-parallel ones it is a member of, in the plan's order (every member
+     applies the same scheduler step to the all-gathered model output, so the copies stay
+     identical);
   5. finish: the owner of a trajectory that took its last step decodes it and reports it; the
      other members drop their copies.
 
@@ -114,8 +115,8 @@ def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:
             fresh += w.forward([i for k in pack for i in solo[k]])
         for n, fwd in enumerate(plan.forwards):
             if me in fwd.ranks and len(fwd.ranks) > 1:
-                fresh += w.forward(list(fwd.tids), UlyssesShard(Group.of(fwd.ranks, salt=f"{salt}:{w.stats['rounds']}:{n}")),
-                                   fwd.ranks)
+                shard = UlyssesShard(Group.of(fwd.ranks, salt=f"{salt}:{w.stats['rounds']}:{n}"))
+                fresh += w.forward(list(fwd.tids), shard, fwd.ranks)
         for index, g in target.items():
             w.history.setdefault(index, []).append((g[0], len(g)))
         for index, tid in list(w.held.items()):

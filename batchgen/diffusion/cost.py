@@ -12,8 +12,10 @@ T_batch.
 
 packed: a worker's degree-1 forwards of one step, of any latent shapes, run as one forward
 (packed.py), so they pay one fixed cost between them (pack_time); False where the pipeline's
-blocks cannot be packed (one forward, one fixed cost, per shape). Torch-free; `calibrate.py` fits it by timing real forwards on this machine
-(`python -m batchgen.diffusion.calibrate`), the simulator and policy read it.
+blocks cannot be packed (one forward, one fixed cost, per shape).
+
+Torch-free; `calibrate.py` fits it by timing real forwards on this machine (`python -m
+batchgen.diffusion.calibrate`), the simulator and policy read it.
 """
 from __future__ import annotations
 

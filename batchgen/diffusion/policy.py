@@ -89,8 +89,8 @@ def split_forward(views: Sequence[TrajView], cost: CostModel) -> list[list[int]]
 
 def pack_forwards(forwards: Sequence[Sequence[TrajView]], cost: CostModel) -> list[list[int]]:
     """One worker's degree-1 forwards of a step (plan_step's groups) -> the indices of those run
-    together as one packed forward, in order: all in one when the cost model packs, each while
-    the total stays within max_batch_tokens (a forward split for passing it stays alone)."""
+    as one packed forward, in order. Packed: consecutive forwards share one while their tokens
+    together stay within max_batch_tokens (no limit: all in one); unpacked: each alone."""
     if not cost.packed:
         return [[i] for i in range(len(forwards))]
     cap = cost.max_batch_tokens

@@ -13,9 +13,10 @@ step for all its trajectories when the cost model packs (cost.py), else one per 
 estimate (list scheduling), so the workers start with lists of similar length; each admits its
 own list in the policy's priority order without asking anyone.
 
-Handing over the trajectory that runs longest (unpacked: the longest of its key) saves its
-forwards' fixed cost; handing over one of many short ones saves little. `handover` takes trajectories, most
-remaining work first, while that cuts max(owner's T, thief's T) by more than `gain` of it.
+Handing over the trajectory that runs longest (unpacked: the longest of its key) saves the
+fixed cost of the steps only it keeps the worker taking; handing over one of many short ones
+saves little. `handover` takes trajectories, most remaining work first, while that cuts
+max(owner's T, thief's T) by more than `gain` of it.
 When nothing is worth handing over, `spread_plan` asks plan.plan_round whether a round over
 owner and thief (degree > 1 for some trajectory) is shorter than the owner's round alone: only
 then do the two enter lockstep rounds (cluster_sync.py).
