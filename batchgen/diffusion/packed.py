@@ -88,7 +88,8 @@ def predict_packed(pipe: Any, parts: Sequence[tuple[torch.Tensor, torch.Tensor, 
     m = pipe.transformer
     embedded = [m.pos_embed(x) for x, _, _ in parts]                     # [B_i, N_i, D]
     layout = _Layout.of([(h.shape[0], h.shape[1]) for h in embedded], embedded[0].device)
-    hs = torch.cat([h.reshape(-1, h.shape[-1]) for h in embedded])       # [T, D]
+    flat = [h.reshape(-1, h.shape[-1]) for h in embedded]
+    hs = flat[0] if len(flat) == 1 else torch.cat(flat)                  # [T, D]
     t = torch.cat([t for _, t, _ in parts])
     cond = {k: torch.cat([c[k] for _, _, c in parts]) for k, v in parts[0][2].items() if v is not None}
     if pipe.family == "dit":
