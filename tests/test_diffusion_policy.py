@@ -285,6 +285,8 @@ def test_packed_forwards_pay_one_fixed_cost_per_worker_step():
     unpacked = CostModel(fixed=1e-3, per_token=1e-5, per_attn=1e-7, packed=False)
     assert unpacked.pack_time(parts) == pytest.approx(unpacked.step_time(32, 16) + unpacked.step_time(64, 64))
     assert pack_forwards([small, big], COST) == [[0, 1]]
+    # a pipeline that cannot pack gets the unpacked model; one that can keeps it
+    assert not COST.packing(False).packed and COST.packing(True) is COST
     assert pack_forwards([small, big], unpacked) == [[0], [1]]
     # within max_batch_tokens: 32 + 64 tokens fit 100, a third forward of 64 does not
     capped = CostModel(fixed=1e-3, per_token=1e-5, per_attn=0.0, max_batch_tokens=100)

@@ -79,8 +79,9 @@ def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *,
     requests, deadlines, arrivals = list(requests), list(deadlines or [None] * n), list(arrivals or [0.0] * n)
     job = uuid.uuid4().hex[:8]
     by_rank = sorted(ranks, key=ranks.get)
-    views = client.submit(_views, model, engine_options, requests, arrivals, deadlines, workers=[by_rank[0]],
-                          pure=False).result()
+    views, packs = client.submit(_views, model, engine_options, requests, arrivals, deadlines, workers=[by_rank[0]],
+                                 pure=False).result()
+    cost = cost.packing(packs)  # the deal and every loop price the forwards the workers will run
     start = time.time()
     lists = deal(views, [ranks[w] for w in by_rank], policy, start, cost)
     loops = [client.submit(elastic_loop, model, job, ranks[w], world, lists[ranks[w]], requests, deadlines, arrivals,
@@ -96,13 +97,14 @@ def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *,
 
 
 def _views(model: str, engine_options: dict, requests: list[ImageRequest], arrivals: list[float],
-           deadlines: list[float | None]) -> list[Any]:
-    """The policy's views of the requests (on a worker: it has the pipeline's geometry)."""
+           deadlines: list[float | None]) -> tuple[list[Any], bool]:
+    """The policy's views of the requests, and whether the pipeline's forwards pack (on a
+    worker: it has the pipeline)."""
     from .cluster_elastic import request_view
     from .frame import _engine
 
     pipe = _engine(model, engine_options).pipe
-    return [request_view(pipe, i, r, a, d) for i, (r, a, d) in enumerate(zip(requests, arrivals, deadlines))]
+    return [request_view(pipe, i, r, a, d) for i, (r, a, d) in enumerate(zip(requests, arrivals, deadlines))], pipe.packs
 
 
 def _collect(job: str, n: int, loops: list[Any]) -> list[ImageResult]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from .cost import CostModel
@@ -228,8 +228,6 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
     degrees = allowed_degrees(engine.pipe, workers) if world else (1,)
     if options.max_degree is not None:
         degrees = tuple(d for d in degrees if d <= options.max_degree)
-    if cost.packed and not engine.pipe.packs:  # every worker loads the same model: all plan alike
-        cost = replace(cost, packed=False)
     w = Loop(engine, me, get_worker().address, job, requests, deadlines, arrivals, policy, options, cost, degrees,
              keep_arrays, Queue(f"bg-diff-out-{job}"), pending=list(mine), start=start)
     done, steal, inbox = Queue(f"bg-diff-done-{job}"), Queue(f"bg-diff-steal-{job}"), Queue(f"bg-diff-inbox-{job}-{me}")

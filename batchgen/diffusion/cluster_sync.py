@@ -108,10 +108,11 @@ def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:
 
         # this member's degree-1 forwards, packed (they come first in the plan), then the
         # sequence-parallel ones it is in, in the plan's order
+        views = {i: w.view(i) for fwd in plan.forwards if fwd.ranks == (me,) for i in fwd.tids}
         solo = [part for fwd in plan.forwards if fwd.ranks == (me,)
-                for part in split_forward([w.view(i) for i in fwd.tids], w.cost)]
+                for part in split_forward([views[i] for i in fwd.tids], w.cost)]
         fresh = 0
-        for pack in pack_forwards([[w.view(i) for i in part] for part in solo], w.cost):
+        for pack in pack_forwards([[views[i] for i in part] for part in solo], w.cost):
             fresh += w.forward([i for k in pack for i in solo[k]])
         for n, fwd in enumerate(plan.forwards):
             if me in fwd.ranks and len(fwd.ranks) > 1:

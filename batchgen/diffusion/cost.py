@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 
@@ -49,6 +49,10 @@ class CostModel:
         if degree > 1:
             t += self.per_comm_token * batch_tokens * (degree - 1) / degree
         return t
+
+    def packing(self, possible: bool) -> CostModel:
+        """This model for a pipeline whose forwards can (or cannot) be packed (Pipeline.packs)."""
+        return replace(self, packed=False) if self.packed and not possible else self
 
     def pack_time(self, parts: Sequence[tuple[int, int]]) -> float:
         """Seconds for one worker's degree-1 forwards of a step; parts: (batch tokens, tokens per

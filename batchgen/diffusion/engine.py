@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,9 +76,7 @@ class DiffusionEngine:
         self.max_batch_rows, self.max_batch_tokens = max_batch_rows, max_batch_tokens
         native = (self.pipe.native_size // self.pipe.pixel_multiple) ** 2
         self.max_image_tokens = max_image_tokens or IMAGE_TOKENS_OVER_NATIVE * native
-        self.cost = cost or CostModel()
-        if self.cost.packed and not self.pipe.packs:  # its forwards run one per latent shape
-            self.cost = replace(self.cost, packed=False)
+        self.cost = (cost or CostModel()).packing(self.pipe.packs)
         self._trajs: dict[int, Trajectory] = {}
         self._live: dict[int, Live] = {}
         self._meta: dict[int, tuple[float, float | None]] = {}  # tid -> (arrival, deadline)

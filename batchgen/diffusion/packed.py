@@ -88,10 +88,9 @@ def predict_packed(pipe: Any, parts: Sequence[tuple[torch.Tensor, torch.Tensor, 
     m = pipe.transformer
     embedded = [m.pos_embed(x) for x, _, _ in parts]                     # [B_i, N_i, D]
     layout = _Layout.of([(h.shape[0], h.shape[1]) for h in embedded], embedded[0].device)
-    flat = [h.reshape(-1, h.shape[-1]) for h in embedded]
-    hs = flat[0] if len(flat) == 1 else torch.cat(flat)                  # [T, D]
-    t = torch.cat([t for _, t, _ in parts])
-    cond = {k: torch.cat([c[k] for _, _, c in parts]) for k, v in parts[0][2].items() if v is not None}
+    hs = _join([h.reshape(-1, h.shape[-1]) for h in embedded])            # [T, D]
+    t = _join([t for _, t, _ in parts])
+    cond = {k: _join([c[k] for _, _, c in parts]) for k, v in parts[0][2].items() if v is not None}
     if pipe.family == "dit":
         hs = _dit(m, hs, t, cond["class_labels"], layout)
     else:
@@ -103,6 +102,11 @@ def predict_packed(pipe: Any, parts: Sequence[tuple[torch.Tensor, torch.Tensor, 
         o = hs[start:start + b * n].reshape(b, hp, wp, p, p, c_out)
         outs.append(torch.einsum("nhwpqc->nchpwq", o).reshape(b, c_out, hp * p, wp * p))
     return outs
+
+
+def _join(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenated along dim 0; one part's tensor as it is (no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _dit(m: Any, hs: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -152,8 +156,7 @@ def _heads(z: torch.Tensor, b: int, heads: int) -> torch.Tensor:
 
 def _merge(parts: list[torch.Tensor]) -> torch.Tensor:
     """[b_i, H, n_i, hd] per part -> [T, H * hd]"""
-    flat = [o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[3]) for o in parts]
-    return flat[0] if len(flat) == 1 else torch.cat(flat)
+    return _join([o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[3]) for o in parts])
 
 
 def _self_attention(a: Any, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
