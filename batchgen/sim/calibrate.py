@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import PlanError
-from .cost import FIT_TERMS, fit_features
-from .profiles import FittedProfile
+from .cost import fit_features
+from .profiles import FIT_TERMS, FittedProfile
 from .shapes import shape_from_spec
 
 GRID = ((1, 4, 16, 48, 128), (16, 128, 512))  # batch sizes, prompt lengths

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,12 +20,11 @@ import numpy as np
 from ..cluster.balance import EngineLoad, Migration, plan_migrations
 from ..errors import PlanError
 from .cost import CostModel
-from .engine import Arrival, EngineSimConfig, SimEngine, make_sequence
+from .engine import Arrival, EngineSimConfig, SimEngine
+from .parallel import run_parallel
+from .partitions import partitioned_engines, rows_as_sequences
 from .policies import BatchGen, Dynamic, Policy, Static
 from .workload import Workload
-
-if TYPE_CHECKING:
-    from ..runtime.sequence import Sequence
 
 # BalancePlugin's defaults (cluster/plugin.py); tests/test_sim_cluster.py keeps them equal.
 PLUGIN_COOLDOWN_S = 1.0
@@ -72,22 +70,6 @@ class SimResult:
         return sum(self.busy_s) / (self.workers * self.bct_s) if self.bct_s > 0 else 0.0
 
 
-def _rows(workload: Workload, rows: np.ndarray) -> list[Sequence]:
-    # plain ints first (indexing numpy arrays row by row makes numpy scalars: slower)
-    p, o, m = (a[rows].tolist() for a in (workload.prompt_len, workload.output_len, workload.max_tokens))
-    return list(map(make_sequence, rows.tolist(), p, m, o))
-
-
-def partitioned_engines(names: list[str], parts: list[np.ndarray], workload: Workload, cost: CostModel,
-                        config: EngineSimConfig) -> list[SimEngine]:
-    """One engine per name, each given its partition's rows (static and batchgen start so)."""
-    engines = [SimEngine(name, cost, config) for name in names]
-    for e, part in zip(engines, parts):
-        for seq in _rows(workload, part):
-            e.add(seq)
-    return engines
-
-
 def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, policy: Policy,
              cluster: ClusterSimConfig, keep_timelines: bool = False) -> SimResult:
     """Run `workload` to the end under `policy`. Deterministic: no randomness, no wall clock in
@@ -103,8 +85,6 @@ def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, polic
     elif not isinstance(policy, (Static, BatchGen)):
         raise PlanError(f"unknown policy {policy!r}")
     elif cluster.processes > 1 and cluster.workers > 1:
-        from .parallel import run_parallel
-
         parts = np.array_split(np.arange(workload.rows), cluster.workers)
         balancer = _Balancer(None, policy, cluster, names) if isinstance(policy, BatchGen) else None
         per_engine, moved = run_parallel(workload, cost, engine, names, parts, cluster.processes, balancer,
@@ -158,7 +138,7 @@ def _deal(engines: list[SimEngine], batches: deque[np.ndarray], workload: Worklo
         for e in list(hungry):
             if not batches:
                 return
-            for seq in _rows(workload, batches.popleft()):
+            for seq in rows_as_sequences(workload, batches.popleft()):
                 e.add(seq, now)
             if len(e.scheduler.running) + len(e.scheduler.waiting) >= e.config.max_num_seqs:
                 hungry.remove(e)

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import PlanError
-from .profiles import FittedProfile, GpuProfile, Profile
+from .profiles import FIT_TERMS, ExpertTraffic, FittedProfile, GpuProfile, Profile
 from .shapes import ModelShape
 
 ArrayLike = np.ndarray | float | int
@@ -132,10 +132,6 @@ class RooflineCost:
         return g.step_overhead_s + device + fetch
 
 
-FIT_TERMS = ("overhead_s", "per_token_s", "per_seq_s", "per_kv_token_s", "per_attn_pair_s", "per_expert_s",
-             "per_host_byte_s", "per_disk_byte_s")
-
-
 def fit_features(tokens: ArrayLike, seqs: ArrayLike, kv_tokens: ArrayLike, attn_pairs: ArrayLike,
                  num_experts: int, top_k: int, num_moe_layers: int, host_bytes: ArrayLike = 0.0,
                  disk_bytes: ArrayLike = 0.0) -> np.ndarray:
@@ -146,43 +142,6 @@ def fit_features(tokens: ArrayLike, seqs: ArrayLike, kv_tokens: ArrayLike, attn_
                                              for v in (tokens, seqs, kv_tokens, attn_pairs, host_bytes, disk_bytes)))
     return np.stack([np.ones_like(t), t, s, k, a, num_moe_layers * experts_touched(t, num_experts, top_k), h, d],
                     axis=-1)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class ExpertTraffic:
-    """Measured expert bytes per forward of an offloaded engine, by tokens per forward.
-
-    tokens [P] ascending, host_bytes / disk_bytes [P]: the mean bytes a forward of that many
-    tokens copied from host memory / read from disk while calibrating; other sizes interpolate
-    (piecewise linear in log tokens, flat past the ends). Replaces the uniform-routing estimate:
-    the offload's eviction keeps the experts a router favours, so real forwards miss fewer."""
-
-    tokens: np.ndarray
-    host_bytes: np.ndarray
-    disk_bytes: np.ndarray
-
-    @classmethod
-    def from_profile(cls, traffic: dict[str, Any]) -> ExpertTraffic | None:
-        points = traffic.get("per_forward") or []
-        if not points:
-            return None
-        try:
-            arr = np.array(points, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise PlanError(f"expert_traffic.per_forward: numbers expected: {exc}") from exc
-        if arr.ndim != 2 or arr.shape[1] != 3:
-            raise PlanError(f"expert_traffic.per_forward: [[tokens, host bytes, disk bytes], ...] expected, "
-                            f"got {points[:3]}...")
-        if not np.isfinite(arr).all() or (arr < 0).any() or (arr[:, 0] < 1).any():
-            raise PlanError(f"expert_traffic.per_forward: tokens >= 1 and bytes >= 0 expected, got {points[:3]}...")
-        arr = arr[np.argsort(arr[:, 0], kind="stable")]
-        return cls(arr[:, 0], arr[:, 1], arr[:, 2])
-
-    def at(self, tokens: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
-        x = np.log(np.maximum(np.asarray(tokens, dtype=np.float64), 1.0))
-        xp = np.log(self.tokens)
-        on = np.asarray(tokens) > 0
-        return np.interp(x, xp, self.host_bytes) * on, np.interp(x, xp, self.disk_bytes) * on
 
 
 @dataclass(frozen=True, slots=True)

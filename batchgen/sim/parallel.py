@@ -28,6 +28,7 @@ from ..cluster.balance import CoroutineInfo, EngineLoad, Migration
 from ..errors import PlanError
 from .cost import CostModel
 from .engine import Arrival, EngineSimConfig
+from .partitions import partitioned_engines
 from .workload import Workload
 
 
@@ -35,8 +36,6 @@ def _serve(conn: Connection, names: list[str], parts: list[np.ndarray], workload
            config: EngineSimConfig) -> None:
     """A child's loop: its engines, built and filled as simulate() builds them; commands in,
     answers out."""
-    from .cluster import partitioned_engines
-
     try:
         engines = {e.name: e for e in partitioned_engines(names, parts, workload, cost, config)}
         while True:

@@ -12,6 +12,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import PlanError
 
 BUILTIN_PROFILES = ("H100", "H200", "A100-80G", "A5000", "L4")
@@ -59,6 +61,47 @@ class GpuProfile:
                 raise PlanError(f"profile {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)!r}")
 
 
+FIT_TERMS = ("overhead_s", "per_token_s", "per_seq_s", "per_kv_token_s", "per_attn_pair_s", "per_expert_s",
+             "per_host_byte_s", "per_disk_byte_s")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertTraffic:
+    """Measured expert bytes per forward of an offloaded engine, by tokens per forward.
+
+    tokens [P] ascending, host_bytes / disk_bytes [P]: the mean bytes a forward of that many
+    tokens copied from host memory / read from disk while calibrating; other sizes interpolate
+    (piecewise linear in log tokens, flat past the ends). Replaces the uniform-routing estimate:
+    the offload's eviction keeps the experts a router favours, so real forwards miss fewer."""
+
+    tokens: np.ndarray
+    host_bytes: np.ndarray
+    disk_bytes: np.ndarray
+
+    @classmethod
+    def from_profile(cls, traffic: dict[str, Any]) -> ExpertTraffic | None:
+        points = traffic.get("per_forward") or []
+        if not points:
+            return None
+        try:
+            arr = np.array(points, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"expert_traffic.per_forward: numbers expected: {exc}") from exc
+        if arr.ndim != 2 or arr.shape[1] != 3:
+            raise PlanError(f"expert_traffic.per_forward: [[tokens, host bytes, disk bytes], ...] expected, "
+                            f"got {points[:3]}...")
+        if not np.isfinite(arr).all() or (arr < 0).any() or (arr[:, 0] < 1).any():
+            raise PlanError(f"expert_traffic.per_forward: tokens >= 1 and bytes >= 0 expected, got {points[:3]}...")
+        arr = arr[np.argsort(arr[:, 0], kind="stable")]
+        return cls(arr[:, 0], arr[:, 1], arr[:, 2])
+
+    def at(self, tokens: np.ndarray | float | int) -> tuple[np.ndarray, np.ndarray]:
+        x = np.log(np.maximum(np.asarray(tokens, dtype=np.float64), 1.0))
+        xp = np.log(self.tokens)
+        on = np.asarray(tokens) > 0
+        return np.interp(x, xp, self.host_bytes) * on, np.interp(x, xp, self.disk_bytes) * on
+
+
 @dataclass(frozen=True, slots=True)
 class FittedProfile:
     """Step time measured on a real engine and fitted (see cost.FittedCost for the terms)."""
@@ -82,8 +125,6 @@ class FittedProfile:
     kind: str = "fitted"
 
     def __post_init__(self) -> None:
-        from .cost import FIT_TERMS, ExpertTraffic  # cost imports this module
-
         for name in ("kv_capacity_tokens", "kv_bytes_per_token"):
             _number(self.name, name, getattr(self, name), 1, integer=True)
         for name in ("num_experts", "top_k", "num_moe_layers"):

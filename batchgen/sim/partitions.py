@@ -1,0 +1,29 @@
+"""A simulated cluster's starting state: each engine given its partition of the workload's rows."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .cost import CostModel
+from .engine import EngineSimConfig, SimEngine, make_sequence
+from .workload import Workload
+
+if TYPE_CHECKING:
+    from ..runtime.sequence import Sequence
+
+
+def rows_as_sequences(workload: Workload, rows: np.ndarray) -> list[Sequence]:
+    # plain ints first (indexing numpy arrays row by row makes numpy scalars: slower)
+    p, o, m = (a[rows].tolist() for a in (workload.prompt_len, workload.output_len, workload.max_tokens))
+    return list(map(make_sequence, rows.tolist(), p, m, o))
+
+
+def partitioned_engines(names: list[str], parts: list[np.ndarray], workload: Workload, cost: CostModel,
+                        config: EngineSimConfig) -> list[SimEngine]:
+    """One engine per name, each given its partition's rows (static and batchgen start so)."""
+    engines = [SimEngine(name, cost, config) for name in names]
+    for e, part in zip(engines, parts):
+        for seq in rows_as_sequences(workload, part):
+            e.add(seq)
+    return engines
