@@ -4,9 +4,8 @@
     batchgen.generate(pdf, model="path/to/model")          # plain pandas, no cluster
 
 Inside a Dask task the rows join this worker's engine (one per worker and model, shared by all
-partitions there) and the task secedes from the worker's thread pool while it waits, so many
-partitions are in flight per worker. Outside Dask the rows join a process-wide engine, cached
-per (model, engine options). dask, distributed and pandas are imported on first call only:
+partitions there; see task.py). Outside Dask the rows join a process-wide engine, cached per
+(model, engine options). dask, distributed and pandas are imported on first call only:
 `import batchgen` stays light.
 """
 from __future__ import annotations
@@ -17,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pandas as pd
-    from distributed import Worker
 
     from ..outputs import RequestOutput
     from .spec import EngineSpec
@@ -41,7 +39,7 @@ def generate(pdf: pd.DataFrame, *, model: str | Path | Mapping[str, str | Path],
     and from the checkpoint on disk). sampling: SamplingParams fields shared by all rows, e.g.
     structured_outputs=StructuredOutputsParams(json=SCHEMA), or json_schema=SCHEMA.
     model_column: run each row on the model this column names; `model` is then a mapping
-    name -> directory (a row naming another fails alone; see batchgen.moa.by_model).
+    name -> directory (a row naming another fails alone; see batchgen.cluster.by_model).
 
     Returns `pdf` (same index, same order) plus `generated_text`, `num_generated_tokens`,
     `finish_reason` ("stop" | "length" | "error") and `error` (NA, or a message naming the row,
@@ -64,7 +62,7 @@ def generate(pdf: pd.DataFrame, *, model: str | Path | Mapping[str, str | Path],
     check_columns(pdf, prompt_column, per_row)
     options = _with_expert_budgets(engine_options, expert_memory, expert_host_memory)
     if model_column is not None:
-        from ..moa.by_model import run_by_model, spec_for_meta
+        from .by_model import run_by_model, spec_for_meta
 
         spec_for_meta(model, options)  # type: ignore[arg-type]
         if len(pdf) == 0 or is_meta_call():
@@ -107,28 +105,12 @@ def run_requests(spec: EngineSpec, requests: list[tuple[Any, Any]]) -> list[Requ
     """Run (prompt, SamplingParams) pairs on this worker's engine for `spec` (or the process's
     own, outside Dask); outputs in input order. Inside a task, the thread slot is released
     while waiting."""
-    worker = _current_worker()
-    in_task = worker is not None and _in_task()
-    if worker is not None:
-        from .worker import ensure_side
+    from .task import this_host, wait_for
 
-        host = ensure_side(worker).host
-    else:
-        from .worker import local_host
-
-        host = local_host()
+    host = this_host()
     job = host.open_job(spec, requests)
     try:
-        if in_task:
-            from distributed import rejoin, secede
-
-            secede()  # free the thread slot: the next partition can start and join the engine
-            try:
-                job.wait()
-            finally:
-                rejoin()
-        else:
-            job.wait()
+        wait_for([job])
         host.timeline.rows_back()
         return job.result()
     finally:
@@ -142,20 +124,3 @@ def generate_rows(requests: list[tuple[Any, Any]], *, model: str | Path,
     from .spec import EngineSpec
 
     return run_requests(EngineSpec.make(model, engine_options), requests)
-
-
-def _current_worker() -> Worker | None:
-    try:
-        from distributed import get_worker
-    except ImportError:
-        return None
-    try:
-        return get_worker()
-    except ValueError:
-        return None
-
-
-def _in_task() -> bool:
-    from distributed.worker import thread_state
-
-    return getattr(thread_state, "key", None) is not None

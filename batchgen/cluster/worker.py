@@ -183,6 +183,17 @@ def ensure_side(worker: Worker) -> WorkerSide:
         return side
 
 
+async def start_engine(spec: dict[str, Any], dask_worker: Worker) -> bool:
+    """`Client.run` target (a coroutine: `run(wait=False)` needs one): start this worker's engine
+    for `spec` unless running; -> whether this worker runs batchgen (its side is installed).
+    Returns at once: the engine loads on its own thread."""
+    side = dask_worker.extensions.get(EXTENSION)
+    if side is None:
+        return False
+    side.host.prestart(EngineSpec.from_msg(spec))
+    return True
+
+
 async def release_engines(dask_worker: Worker, model: str | None = None) -> int:
     """`Client.run` target: stop this worker's idle engines (of `model`, an EngineSpec key).
     Async, and the waiting on a thread: the worker's event loop keeps serving meanwhile."""
@@ -204,8 +215,6 @@ class BatchgenWorkerPlugin(WorkerPlugin):
     name: str = WORKER_PLUGIN
 
     async def setup(self, worker: Worker) -> None:
-        from .prestart import warm_imports
-
         ensure_side(worker).start_pushing(self.push_interval)
         warm_imports()  # torch imported before the first task needs it
 
@@ -213,3 +222,21 @@ class BatchgenWorkerPlugin(WorkerPlugin):
         side = worker.extensions.get(EXTENSION)
         if side is not None:
             await side.aclose()
+
+
+_warmed = threading.Event()
+
+
+def warm_imports() -> None:
+    """Import torch and the engine on a daemon thread, once per process."""
+    if _warmed.is_set():
+        return
+    _warmed.set()
+
+    def go() -> None:
+        try:
+            import batchgen.engine  # noqa: F401 - torch, the models and the runtime
+        except Exception as exc:  # noqa: BLE001 - the first task reports a real import error
+            logger.debug("batchgen import warm-up failed: %s", exc)
+
+    threading.Thread(target=go, name="batchgen-warm-imports", daemon=True).start()

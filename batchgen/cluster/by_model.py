@@ -10,18 +10,15 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ModelLoadError
 from ..io.cells import is_na
 from ..outputs import RequestOutput
+from .spec import EngineSpec
+from .task import this_host, wait_for
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..cluster.spec import EngineSpec
-
 
 def run_by_model(pdf: pd.DataFrame, models: Mapping[str, str | Path], model_column: str,
                  requests: list[tuple[Any, Any]], options: Mapping[str, Any]) -> list[RequestOutput]:
-    from ..cluster.generate import _current_worker, _in_task
-    from ..cluster.spec import EngineSpec
-
     if model_column not in pdf.columns:
         raise KeyError(f"model_column {model_column!r} is not a column of the partition; columns: {list(pdf.columns)}")
     specs = {str(name): EngineSpec.make(path, options) for name, path in models.items()}
@@ -34,29 +31,10 @@ def run_by_model(pdf: pd.DataFrame, models: Mapping[str, str | Path], model_colu
         else:
             outputs[i] = RequestOutput(i, [], [], "", "error",
                                        f"{model_column}={name!r}: unknown model; known: {sorted(specs)}")
-    worker = _current_worker()
-    if worker is not None:
-        from ..cluster.worker import ensure_side
-
-        host = ensure_side(worker).host
-    else:
-        from ..cluster.worker import local_host
-
-        host = local_host()
+    host = this_host()
     jobs = [(rows, host.open_job(specs[name], [requests[i] for i in rows])) for name, rows in groups.items()]
     try:
-        if worker is not None and _in_task():
-            from distributed import rejoin, secede
-
-            secede()
-            try:
-                for _, job in jobs:
-                    job.wait()
-            finally:
-                rejoin()
-        else:
-            for _, job in jobs:
-                job.wait()
+        wait_for(job for _, job in jobs)
         for rows, job in jobs:
             for i, out in zip(rows, job.result()):
                 out.index = i
@@ -69,8 +47,6 @@ def run_by_model(pdf: pd.DataFrame, models: Mapping[str, str | Path], model_colu
 
 def spec_for_meta(models: Mapping[str, str | Path], options: Mapping[str, Any]) -> dict[str, EngineSpec]:
     """Check every model's engine options before any work (TypeError on an unknown one)."""
-    from ..cluster.spec import EngineSpec
-
     if not isinstance(models, Mapping) or not models:
         raise TypeError("with model_column, model must be a non-empty mapping of name -> model directory")
     specs = {str(n): EngineSpec.make(p, options) for n, p in models.items()}
