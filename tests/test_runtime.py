@@ -83,26 +83,26 @@ def test_eviction_resumes_by_recompute_or_from_host_memory(checkpoint_factory, p
     tight = Engine(model_dir, block_size=8, num_kv_blocks=40, swap_space_bytes=swap_space_bytes,
                    host_link_bytes_per_s=host_link)
     swapped = []
-    original = tight._maybe_swap_out
+    original = tight.host_kv.swap_out
 
     def spy(seq, blocks, n):  # record what the engine chose for each eviction
         original(seq, blocks, n)
         swapped.append(seq.status is SeqStatus.SWAPPED)
 
-    tight._maybe_swap_out = spy  # type: ignore[method-assign]
+    tight.host_kv.swap_out = spy  # type: ignore[method-assign]
     assert [o.token_ids for o in tight.generate(prompt_ids, params)] == expected
     assert swapped and all(swapped) == bool(swap_space_bytes) and any(swapped) == bool(swap_space_bytes)
-    assert tight._host_kv == {} and tight._host_kv_bytes == 0
+    assert tight.host_kv.kv == {} and tight.host_kv.nbytes == 0
 
 
 def test_load_reports_remaining_work(checkpoint_factory, prompt_ids) -> None:
     engine = Engine(checkpoint_factory("qwen2_moe"), block_size=8)
     for p in prompt_ids[:4]:
         engine.add_request(p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    before = engine.load()
-    assert before["waiting"] == 4 and before["remaining_tokens"] == 40
+    before = engine.load_report()
+    assert before.waiting == 4 and before.remaining == 40 and set(before.remaining_by_id.values()) == {10}
     engine.step()
-    after = engine.load()
+    after = engine.load()  # the dict of the older name
     assert after["running"] == 4 and after["remaining_tokens"] == 36 and 0 < after["kv_used_fraction"] < 1
 
 
@@ -121,7 +121,7 @@ def test_resume_with_kv_into_a_full_pool_waits_in_host_memory(checkpoint_factory
     assert busy.get(resumed).status is SeqStatus.SWAPPED
     assert run_to_end(busy, resumed) == expected
     run_to_end(busy, hog)
-    assert busy.allocator.num_free == busy.allocator.num_blocks and busy._host_kv_bytes == 0
+    assert busy.allocator.num_free == busy.allocator.num_blocks and busy.host_kv.nbytes == 0
 
 
 def test_resume_refuses_a_sequence_too_long_for_this_engine(checkpoint_factory, prompt_ids) -> None:
