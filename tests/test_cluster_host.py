@@ -298,9 +298,9 @@ def test_speed_is_measured_only_while_rows_queue(spec: EngineSpec, max_num_seqs:
                           lambda done: None, lambda exc, refs: None)
     try:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        runner.submit([(RowRef("job", i), p, params) for i, p in enumerate(PROMPTS * 2)]).result(60)
-        wait_until(lambda: runner.load.tokens_per_s > 0)
-        time.sleep(2.5)  # two more rate windows
+        # 16 rows: at 2 seats, rows queue for several whole rate windows even on a fast machine
+        runner.submit([(RowRef("job", i), p, params) for i, p in enumerate(PROMPTS * 4)]).result(60)
+        wait_until(lambda: runner.load.speed > 0 or runner.load.generated_tokens == 16 * 400, timeout=120)
         assert (runner.load.speed > 0) == measured
     finally:
         runner.close()
