@@ -63,9 +63,9 @@ def static_batch(model: str, reqs: list[Any]) -> float:
 
     from batchgen.diffusion.decode import decode
     from batchgen.diffusion.forward import predict
-    from batchgen.diffusion.frame import _engine
+    from batchgen.diffusion.engine_spec import process_engine
 
-    pipe = _engine(model, {}).pipe
+    pipe = process_engine(model, {}).pipe
     subs: dict[tuple, list[Any]] = {}
     for r in reqs:
         subs.setdefault((r.height, r.width, r.uses_guidance), []).append(r)
@@ -83,9 +83,9 @@ def static_batch(model: str, reqs: list[Any]) -> float:
 
 def warm(model: str) -> bool:
     from batchgen.diffusion import ImageRequest
-    from batchgen.diffusion.frame import _engine
+    from batchgen.diffusion.engine_spec import process_engine
 
-    eng = _engine(model, {})
+    eng = process_engine(model, {})
     eng.generate([ImageRequest(class_label=0, num_inference_steps=2, height=16, width=16)])
     return True
 

@@ -45,9 +45,9 @@ def cluster():
 
 
 def _warm(path: str) -> bool:
-    from batchgen.diffusion.frame import _engine
+    from batchgen.diffusion.engine_spec import process_engine
 
-    return _engine(path, {}) is not None
+    return process_engine(path, {}) is not None
 
 
 def _finish(engine: DiffusionEngine, state: bytes) -> np.ndarray:

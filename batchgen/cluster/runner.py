@@ -1,6 +1,7 @@
 """EngineRunner: one engine and the one thread that owns it.
 
-The engine is not thread-safe, so nothing touches it but the loop thread. Everyone else (tasks
+The engine (any CoroutineEngine: text or image) is not thread-safe, so nothing touches it but
+the loop thread. Everyone else (tasks
 adding rows, RPC handlers adopting migrated coroutines, migration orders) sends a command that
 runs at the next inter-forward yield point, between two `step()` calls. All partitions on a
 worker therefore run combined: each forward batches the coroutines of every partition.
@@ -20,14 +21,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..outputs import RequestOutput
 from .balance import MAX_REPORTED, CoroutineInfo, reported_movable_rows
 from .spec import EngineSpec
 from .speed import SpeedMeter, at_capacity
 
 if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..runtime.sequence import SeqId
+    from ..engine.protocol import CoroutineEngine, CoroutineOutput
     from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -66,8 +65,8 @@ class RunnerLoad:
     device: str = ""  # the engine's device class (Engine.device_class): equal classes, equal speed
 
 
-Done = Callable[[list[tuple[RowRef, RequestOutput]]], None]
-Request = tuple[RowRef, Any, Any]  # (ref, prompt, SamplingParams)
+Done = Callable[[list[tuple[RowRef, "CoroutineOutput"]]], None]
+Request = tuple[RowRef, Any, Any]  # (ref, request, its params): a prompt and SamplingParams for text
 
 
 class EngineRunner:
@@ -80,9 +79,9 @@ class EngineRunner:
         self.spec = spec
         self._timeline = timeline
         self._on_done, self._on_fail = on_done, on_fail
-        self._inbox: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = queue.SimpleQueue()
-        self._tickets: dict[SeqId, RowRef] = {}
-        self._progress_sent: dict[SeqId, int] = {}  # output tokens of the last progress per held row
+        self._inbox: queue.SimpleQueue[tuple[Callable[[CoroutineEngine], Any], Future[Any]]] = queue.SimpleQueue()
+        self._tickets: dict[int, RowRef] = {}
+        self._progress_sent: dict[int, int] = {}  # progress of the last snapshot sent per held row
         self._load = RunnerLoad()
         self._closed = threading.Event()
         self._gate = threading.Lock()  # a command is either queued before close / failure, or refused
@@ -94,7 +93,7 @@ class EngineRunner:
         self._thread.start()
 
     # -- any thread -------------------------------------------------------------------------------
-    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+    def call(self, fn: Callable[[CoroutineEngine], T]) -> Future[T]:
         """Run fn(engine) on the loop thread at the next yield point."""
         fut: Future[T] = Future()
         with self._gate:
@@ -118,7 +117,7 @@ class EngineRunner:
 
     def move_out(self, seq_ids: list[int], match: Callable[[RowRef], bool] | None = None,
                  ) -> Future[list[tuple[RowRef, int, bytes]]]:
-        """`suspend`, also giving each coroutine's output token count: [(ref, num_output, state)]."""
+        """`suspend`, also giving each coroutine's progress: [(ref, progress, state)]."""
         return self.call(lambda engine: self._suspend_counted(engine, seq_ids, match, None))
 
     def progress(self) -> Future[list[tuple[RowRef, int, bytes]]]:
@@ -132,7 +131,7 @@ class EngineRunner:
     def close_if_idle(self) -> Future[bool]:
         """Stop the engine if it holds no coroutine: -> True when it stopped. Decided on the loop
         thread, so nothing can slip in between the check and the stop (later calls are refused)."""
-        def stop(engine: Engine) -> bool:
+        def stop(engine: CoroutineEngine) -> bool:
             if engine.has_unfinished() or self._tickets:
                 return False
             with self._gate:
@@ -173,16 +172,16 @@ class EngineRunner:
                     # (a first prefill), else the balancer sees this engine as it was before
                     self._snapshot(engine, force=True)
                 if engine.has_unfinished():
-                    before = engine.stats.generated_tokens
+                    before = engine.work_done()
                     t0 = time.perf_counter()
                     try:
-                        finished = engine.step()
+                        finished = engine.run_step()
                     except BaseException as exc:  # noqa: BLE001
                         self._fail(exc)
                         return
                     if timeline is not None:
                         timeline.stepped(time.perf_counter() - t0)
-                        timeline.tokens(engine.stats.generated_tokens - before)
+                        timeline.tokens(engine.work_done() - before)
                     self._finish(engine, finished)
                 self._snapshot(engine)
             self._refuse_pending(RuntimeError("engine runner is closed"))
@@ -207,7 +206,7 @@ class EngineRunner:
         refs, self._tickets = list(self._tickets.values()), {}
         self._on_fail(exc, refs)
 
-    def _drain(self, engine: Engine, block: bool) -> bool:
+    def _drain(self, engine: CoroutineEngine, block: bool) -> bool:
         """Run the queued commands (waiting a little for one when `block`); -> whether any ran."""
         t0 = time.perf_counter()
         try:
@@ -237,16 +236,16 @@ class EngineRunner:
                     self._timeline.spent("idle", t1 - t0)
                 self._timeline.spent("command", time.perf_counter() - t1)
 
-    def _add(self, engine: Engine, requests: list[Request]) -> None:
-        done: list[tuple[RowRef, RequestOutput]] = []
-        for ref, prompt, params in requests:
+    def _add(self, engine: CoroutineEngine, requests: list[Request]) -> None:
+        done: list[tuple[RowRef, CoroutineOutput]] = []
+        for ref, request, params in requests:
             try:
-                seq_id = engine.add_request(prompt, params, index=ref.row)
+                seq_id = engine.add_request(request, params, index=ref.row)
             except Exception as exc:  # noqa: BLE001 - one odd row must not sink its partition
-                done.append((ref, RequestOutput(ref.row, [], [], "", "error", f"{type(exc).__name__}: {exc}")))
+                done.append((ref, engine.error_output(ref.row, f"{type(exc).__name__}: {exc}")))
                 continue
             self._tickets[seq_id] = ref
-            if engine.get(seq_id).is_finished:
+            if engine.is_finished(seq_id):
                 del self._tickets[seq_id]
                 done.append((ref, engine.pop_output(seq_id)))
         if self._timeline is not None:
@@ -254,9 +253,9 @@ class EngineRunner:
         if done:
             self._on_done(done)
 
-    def _resume(self, engine: Engine, items: list[tuple[RowRef, bytes]]) -> list[RowRef]:
+    def _resume(self, engine: CoroutineEngine, items: list[tuple[RowRef, bytes]]) -> list[RowRef]:
         rejected: list[RowRef] = []
-        done: list[tuple[RowRef, RequestOutput]] = []
+        done: list[tuple[RowRef, CoroutineOutput]] = []
         for ref, state in items:
             try:
                 seq_id = engine.resume(state)
@@ -265,56 +264,52 @@ class EngineRunner:
                 rejected.append(ref)
                 continue
             self._adopted += 1
-            if engine.get(seq_id).is_finished:
+            if engine.is_finished(seq_id):
                 done.append((ref, engine.pop_output(seq_id)))
             else:
                 self._tickets[seq_id] = ref
                 if not ref.is_local:  # its owner already has this much
-                    self._progress_sent[seq_id] = len(engine.get(seq_id).output_ids)
+                    self._progress_sent[seq_id] = engine.progress(seq_id)
         if done:
             self._on_done(done)
         return rejected
 
-    def _suspend(self, engine: Engine, seq_ids: list[int] | None, match: Callable[[RowRef], bool] | None,
+    def _suspend(self, engine: CoroutineEngine, seq_ids: list[int] | None, match: Callable[[RowRef], bool] | None,
                  with_kv: bool | None) -> list[tuple[RowRef, bytes]]:
         return [(ref, state) for ref, _, state in self._suspend_counted(engine, seq_ids, match, with_kv)]
 
-    def _suspend_counted(self, engine: Engine, seq_ids: list[int] | None, match: Callable[[RowRef], bool] | None,
+    def _suspend_counted(self, engine: CoroutineEngine, seq_ids: list[int] | None, match: Callable[[RowRef], bool] | None,
                          with_kv: bool | None) -> list[tuple[RowRef, int, bytes]]:
         chosen = [s for s in (seq_ids if seq_ids is not None else list(self._tickets))
                   if s in self._tickets and (match is None or match(self._tickets[s]))]
         out: list[tuple[RowRef, int, bytes]] = []
         for seq_id in chosen:
-            seq = engine.get(seq_id)  # type: ignore[arg-type]
-            if seq.is_finished:
+            if engine.is_finished(seq_id):
                 continue
-            ref = self._tickets.pop(seq_id)  # type: ignore[arg-type]
-            num_output = len(seq.output_ids)
-            out.append((ref, num_output, engine.suspend(seq_id, with_kv=with_kv)))  # type: ignore[arg-type]
+            ref = self._tickets.pop(seq_id)
+            out.append((ref, engine.progress(seq_id), engine.suspend(seq_id, with_kv=with_kv)))
         return out
 
-    def _progress(self, engine: Engine) -> list[tuple[RowRef, int, bytes]]:
+    def _progress(self, engine: CoroutineEngine) -> list[tuple[RowRef, int, bytes]]:
         sent = {s: n for s, n in self._progress_sent.items() if s in self._tickets}
         out: list[tuple[RowRef, int, bytes]] = []
         for seq_id, ref in self._tickets.items():
             if ref.is_local:
                 continue
-            seq = engine.get(seq_id)
-            num_output = len(seq.output_ids)
-            if seq.is_finished or num_output <= sent.get(seq_id, 0):
+            num_output = engine.progress(seq_id)
+            if engine.is_finished(seq_id) or num_output <= sent.get(seq_id, 0):
                 continue
             out.append((ref, num_output, engine.snapshot(seq_id)))
             sent[seq_id] = num_output
         self._progress_sent = sent
         return out
 
-    def _finish(self, engine: Engine, finished: list[Any]) -> None:
-        done = [(self._tickets.pop(seq.seq_id), engine.pop_output(seq.seq_id))
-                for seq in finished if seq.seq_id in self._tickets]
+    def _finish(self, engine: CoroutineEngine, finished: list[int]) -> None:
+        done = [(self._tickets.pop(cid), engine.pop_output(cid)) for cid in finished if cid in self._tickets]
         if done:
             self._on_done(done)
 
-    def _snapshot(self, engine: Engine, force: bool = False) -> None:
+    def _snapshot(self, engine: CoroutineEngine, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_snap < _SNAPSHOT_EVERY_S:
             return
@@ -326,26 +321,16 @@ class EngineRunner:
             if self._timeline is not None:
                 self._timeline.spent("snapshot", time.perf_counter() - t0)
 
-    def _take_snapshot(self, engine: Engine, now: float) -> None:
-        load = engine.load()
-        generated = int(engine.stats.generated_tokens)
-        seats, kv_used = int(load["max_num_seqs"]), float(load["kv_used_fraction"])
-        capacity = at_capacity(load["waiting"], load["running"], seats, kv_used)
-        self._meter.observe(now, generated, load["waiting"] if capacity else 0)
+    def _take_snapshot(self, engine: CoroutineEngine, now: float) -> None:
+        load = engine.load_report()
+        done = engine.work_done()
+        capacity = at_capacity(load.waiting, load.running, load.max_num_seqs, load.kv_used_fraction)
+        self._meter.observe(now, done, load.waiting if capacity else 0)
         # own coroutines and those held for others (which re-migrate via their owner)
         tickets = self._tickets
-        movable = [(int(seq_id), int(remaining), engine.get(seq_id).num_computed)
-                   for seq_id, remaining in load["remaining_by_seq"].items() if seq_id in tickets]
-        self._load = RunnerLoad(True, load["waiting"], load["running"], kv_used,
-                                int(load["remaining_tokens"]), self._meter.tokens_per_s, generated,
-                                reported_movable_rows(movable), self._meter.speed, _expert_hit_rate(engine),
-                                int(load["kv_capacity_tokens"]), seats, self._adopted,
-                                str(load["device_class"]))
-
-
-def _expert_hit_rate(engine: Engine) -> float:
-    """Share of needed routed experts already in the device pool (1.0 with every expert resident)."""
-    store = engine.model.experts
-    if store is None or not store.stats.experts_needed:
-        return 1.0
-    return store.stats.device_hits / store.stats.experts_needed
+        movable = [(cid, remaining, load.computed_by_id.get(cid, 0))
+                   for cid, remaining in load.remaining_by_id.items() if cid in tickets]
+        self._load = RunnerLoad(True, load.waiting, load.running, load.kv_used_fraction, load.remaining,
+                                self._meter.tokens_per_s, done, reported_movable_rows(movable), self._meter.speed,
+                                load.expert_hit_rate, load.kv_capacity_tokens, load.max_num_seqs, self._adopted,
+                                load.device_class)

@@ -120,11 +120,11 @@ def calibrate(pipe, rows: Sequence[int] = (1, 2, 4, 8, 16), latents: Sequence[in
 def _time_on_worker(model: str, engine_options: dict, ranks: tuple[int, ...], rows: int, latent: int,
                     warm: bool, salt: str) -> float:
     """A Dask task on each member of `ranks` (one member: degree 1, no collectives)."""
-    from .frame import _engine
+    from .engine_spec import process_engine
     from .groups import Group
     from .sp import UlyssesShard
 
-    pipe = _engine(model, engine_options).pipe
+    pipe = process_engine(model, engine_options).pipe
     sp = UlyssesShard(Group.of(ranks, salt=salt)) if len(ranks) > 1 else None
     return time_forward(pipe, rows, latent, 1, sp, warm)
 
@@ -136,13 +136,13 @@ def calibrate_cluster(client, model: str, rows: Sequence[int] = (1, 4, 8, 16), l
     degrees: those to time beyond 1 (default: every one up to the worker count that divides the
     model's heads). The world is started if it is not (sp_cluster.world_ranks)."""
     from .cluster_elastic import allowed_degrees
-    from .frame import _engine
+    from .engine_spec import process_engine
     from .sp_cluster import world_ranks
 
     opts = dict(engine_options or {})
     ranks = world_ranks(client)
     by_rank = sorted(ranks, key=ranks.get)
-    pipe = _engine(model, opts).pipe
+    pipe = process_engine(model, opts).pipe
     p = pipe.patch_size
     if degrees is None:
         degrees = [d for d in allowed_degrees(pipe, len(by_rank)) if d > 1]

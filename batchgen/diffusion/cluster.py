@@ -14,30 +14,18 @@ Results come back as PNG bytes with their finish time.
 """
 from __future__ import annotations
 
-import io
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from .cluster_elastic import elastic_loop, request_view
 from .cost import CostModel
+from .output import ImageResult
 from .plan import ElasticOptions
 from .policy import check_policy
 from .request import ImageRequest
 from .steal import deal
-
-
-@dataclass(slots=True)
-class ImageResult:
-    index: int
-    png: bytes | None
-    error: str | None
-    finished_at: float       # time.time() on the worker
-    worker: str              # the worker that decoded it
-    migrated: bool = False
-    degrees: tuple[int, ...] = ()   # elastic runs: the sequence-parallel degree of each step
-    array: Any = None        # keep_arrays: [H, W, 3] float32 before quantisation
 
 
 def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *, policy: str = "srwf",
@@ -55,8 +43,6 @@ def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *,
     stats: a list to extend with each worker loop's counters (steps, forwards, migrations,
     sync phases and their rounds, seconds in their exchanges...)."""
     from distributed import Queue
-
-    from .cluster_elastic import elastic_loop
 
     check_policy(policy)
     n = len(requests)
@@ -100,10 +86,9 @@ def _views(model: str, engine_options: dict, requests: list[ImageRequest], arriv
            deadlines: list[float | None]) -> tuple[list[Any], bool]:
     """The policy's views of the requests, and whether the pipeline's forwards pack (on a
     worker: it has the pipeline)."""
-    from .cluster_elastic import request_view
-    from .frame import _engine
+    from .engine_spec import process_engine
 
-    pipe = _engine(model, engine_options).pipe
+    pipe = process_engine(model, engine_options).pipe
     return [request_view(pipe, i, r, a, d) for i, (r, a, d) in enumerate(zip(requests, arrivals, deadlines))], pipe.packs
 
 
@@ -129,20 +114,3 @@ def _collect(job: str, n: int, loops: list[Any]) -> list[ImageResult]:
             results[res.index] = res
             got += 1
     return results  # type: ignore[return-value]
-
-
-def _get(queue: Any) -> Any:
-    """An item, or None when the queue is empty. qsize first: a get that times out is logged by
-    the scheduler as an error."""
-    if queue.qsize() == 0:
-        return None
-    try:
-        return queue.get(timeout=1.0)  # another worker may have taken it meanwhile
-    except Exception:  # noqa: BLE001 - distributed's timeout
-        return None
-
-
-def _png(image: Any) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cost import CostModel
+from .output import ImageResult, png_bytes
 from .plan import ElasticOptions, Measured
 from .policy import TrajView, pack_forwards, plan_step
 from .request import ImageRequest
@@ -184,7 +185,6 @@ class Loop:
 
     def report(self) -> None:
         """Decode the owned trajectories that are done (and admissions that failed) -> the out queue."""
-        from .cluster import ImageResult, _png
 
         began = time.perf_counter()
         index_of = {tid: index for index, tid in self.held.items()}
@@ -196,7 +196,7 @@ class Loop:
             if o.error is not None:
                 steps = []
             moved = len({owner for owner, _ in steps}) > 1
-            results.append(ImageResult(index, _png(o.image) if o.error is None else None, o.error, time.time(),
+            results.append(ImageResult(index, png_bytes(o.image) if o.error is None else None, o.error, time.time(),
                                        self.address, moved, tuple(d for _, d in steps),
                                        o.array if self.keep_arrays else None))
         if results:
@@ -217,14 +217,13 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
     count from it); -> its statistics."""
     from distributed import Queue, get_worker, secede
 
-    from .cluster import _get
-    from .frame import _engine
+    from .engine_spec import process_engine
     from .steal import handover, spread_plan
 
     secede()
     # the loop plans its own steps (plan_step with this job's policy and cost): the worker's
     # engine for these options serves every job, warm after the first
-    engine = _engine(model, engine_options)
+    engine = process_engine(model, engine_options)
     degrees = allowed_degrees(engine.pipe, workers) if world else (1,)
     if options.max_degree is not None:
         degrees = tuple(d for d in degrees if d <= options.max_degree)
@@ -286,7 +285,7 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
         if asked or owned == declined or now - looked < POLL_S:
             continue
         looked = now
-        thief = _get(steal)
+        thief = _queue_get(steal)
         if thief is None or thief == me:  # (never itself: only unregistered workers pop)
             continue
         box = Queue(f"bg-diff-inbox-{job}-{thief}")
@@ -317,3 +316,14 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
             continue
         steal.put(thief)  # for another worker; this one looks again when its work changes
         declined = owned
+
+
+def _queue_get(queue: Any) -> Any:
+    """An item, or None when the queue is empty. qsize first: a get that times out is logged by
+    the scheduler as an error."""
+    if queue.qsize() == 0:
+        return None
+    try:
+        return queue.get(timeout=1.0)  # another worker may have taken it meanwhile
+    except Exception:  # noqa: BLE001 - distributed's timeout
+        return None

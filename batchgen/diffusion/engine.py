@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,33 +20,20 @@ import torch
 from ..errors import RequestError, StateError
 from ..malloc import restore_heap_reuse as _restore_heap_reuse
 from . import schedulers
-from .condition import encode_prompts, prompt_error
+from ..engine.protocol import LoadReport
+from .admission import IMAGE_TOKENS_OVER_NATIVE, request_error
+from .condition import encode_prompts
 from .cost import CostModel
 from .decode import decode, to_pil
 from .denoise import Live, step_group, step_groups
+from .output import ImageOutput
 from .pipeline import load_pipeline
 from .policy import TrajView, check_policy, pack_forwards, plan_step
 from .request import ImageRequest
 from .trajectory import Status, Trajectory, from_bytes, to_bytes
 
-# Default cap on one request's image tokens, as a multiple of the model's native size (16: four
-# times the native side). Attention is quadratic in the tokens: a 16384 x 16384 px request on a
-# 256 px DiT (1M tokens) would run for hours or exhaust memory instead of failing.
-IMAGE_TOKENS_OVER_NATIVE = 16
-
 if TYPE_CHECKING:
     from .sp import UlyssesShard
-
-
-@dataclass(slots=True)
-class ImageOutput:
-    """A finished request: image (PIL) or error (a message naming the field and the value)."""
-
-    index: int
-    image: Any = None
-    array: Any = None        # [H, W, 3] float32 in [0, 1], before quantisation
-    error: str | None = None
-    steps: int = 0
 
 
 class DiffusionEngine:
@@ -86,43 +72,21 @@ class DiffusionEngine:
         self._uncond: dict[str, torch.Tensor] | None = None
         self.num_forwards = 0
         self.num_steps_taken = 0
+        self.work_units = 0  # image tokens x guidance rows, summed over every step taken
+        self._finished: dict[int, ImageOutput] = {}  # run_step's outputs until popped
 
     # ---- requests -------------------------------------------------------------------------
     def check(self, req: ImageRequest) -> str | None:
         """What makes `req` impossible on this model, or None."""
-        err = req.basic_error()
-        if err:
-            return err
-        pipe = self.pipe
-        if pipe.family == "dit":
-            if req.prompt is not None:
-                return "this DiT pipeline is class-conditional: give class_label, not prompt"
-            n = len(pipe.id2label) if pipe.id2label else pipe.null_class
-            if not 0 <= req.class_label < n:
-                return f"class_label {req.class_label} is not one of this model's {n} classes (0..{n - 1})"
-        else:
-            if req.prompt is None:
-                return "this pipeline is text-to-image: give prompt, not class_label"
-            err = prompt_error(pipe, req.prompt)
-            if err:
-                return err
-        m = pipe.pixel_multiple
-        for name in ("height", "width"):
-            value = getattr(req, name) or pipe.native_size
-            if value % m:
-                return (f"{name} {value} is not a multiple of {m} (patch {pipe.patch_size} x VAE factor "
-                        f"{pipe.vae_scale_factor})")
-        h, w = req.height or pipe.native_size, req.width or pipe.native_size
-        tokens = (h // m) * (w // m)
-        if tokens > self.max_image_tokens:
-            return (f"{h}x{w} px is {tokens:,} image tokens, over this engine's max_image_tokens "
-                    f"{self.max_image_tokens:,} ({IMAGE_TOKENS_OVER_NATIVE}x the model's native "
-                    f"{pipe.native_size}x{pipe.native_size}, unless set): attention over them would not finish "
-                    f"or fit; pass max_image_tokens to allow it")
-        return None
+        return request_error(self.pipe, req, self.max_image_tokens)
 
-    def add_request(self, req: ImageRequest, *, deadline: float | None = None, arrival: float | None = None) -> int:
-        """Queue `req`; -> its id. A bad request finishes at the next step with its error."""
+    def add_request(self, req: ImageRequest, params: None = None, index: int = 0, *, deadline: float | None = None,
+                    arrival: float | None = None) -> int:
+        """Queue `req`; -> its id. A bad request finishes at the next step with its error.
+        params, index: the CoroutineEngine signature (an image request carries its own
+        parameters; outputs carry the id, which stream() maps to input positions)."""
+        if params is not None:
+            raise TypeError("an ImageRequest carries its own parameters: params must be None")
         tid = self._next_tid
         self._next_tid += 1
         h, w = req.height or self.pipe.native_size, req.width or self.pipe.native_size
@@ -183,9 +147,10 @@ class DiffusionEngine:
             if left:
                 self._forward_contained([left])
 
-    def suspend(self, tid: int) -> bytes:
+    def suspend(self, tid: int, with_kv: bool | None = None) -> bytes:
         """Take a trajectory out at its step boundary -> bytes that `resume` (here or on another
-        engine of the same model) continues from, bit-identically on CPU fp32."""
+        engine of the same model) continues from, bit-identically on CPU fp32. with_kv: the
+        CoroutineEngine signature (a trajectory has no KV cache: its latents always travel)."""
         data = self.snapshot(tid, "suspended")
         self.drop(tid)
         return data
@@ -283,6 +248,7 @@ class DiffusionEngine:
         for g in groups:
             self.num_steps_taken += len(g)
             for t in g:
+                self.work_units += self._step_work(t)
                 if t.remaining_steps == 0:
                     t.move(Status.DENOISED, f"step {t.step} of {t.num_steps}")
 
@@ -336,7 +302,45 @@ class DiffusionEngine:
         RequestError (its message names the field and the value) and the others go on."""
         return [o.image if o.error is None else RequestError(o.error) for o in self.generate_outputs(requests)]
 
+    # ---- CoroutineEngine: the cluster runtime's face (cluster/runner.py) --------------------
+    def run_step(self) -> list[int]:
+        finished = self.step()
+        self._finished.update((out.index, out) for out in finished)
+        return [out.index for out in finished]
+
+    def is_finished(self, tid: int) -> bool:
+        return tid in self._finished
+
+    def pop_output(self, tid: int) -> ImageOutput:
+        return self._finished.pop(tid)
+
+    def error_output(self, index: int, message: str) -> ImageOutput:
+        return ImageOutput(index=index, error=message)
+
+    def progress(self, tid: int) -> int:
+        return self._trajs[tid].step
+
+    def work_done(self) -> int:
+        return self.work_units
+
+    def load_report(self) -> LoadReport:
+        """Work in image-token steps; no KV pool (a moved trajectory carries only its latents)."""
+        remaining = {tid: t.remaining_steps * self._step_work(t) for tid, t in self._trajs.items()
+                     if t.status in (Status.WAITING, Status.RUNNING)}
+        waiting = sum(t.status is Status.WAITING for t in self._trajs.values())
+        where = f"{torch.get_num_threads()} threads" if self.device == "cpu" else torch.cuda.get_device_name(self.device)
+        return LoadReport(waiting, len(self._trajs) - waiting, 0.0, 0, self.max_batch_rows,
+                          f"{self.device} {where} {str(self.pipe.transformer.dtype).removeprefix('torch.')}",
+                          sum(remaining.values()), remaining)
+
+    def close(self) -> None:
+        """Nothing to release: the pipeline holds no threads or open files."""
+
     # ---- internals ------------------------------------------------------------------------
+    def _step_work(self, t: Trajectory) -> int:
+        m = self.pipe.pixel_multiple
+        return (t.height // m) * (t.width // m) * (2 if t.uses_guidance else 1)
+
     def _view(self, t: Trajectory) -> TrajView:
         arrival, deadline = self._meta[t.tid]
         p = self.pipe.patch_size

@@ -5,26 +5,27 @@
 Each row is one ImageRequest: columns named like its fields (prompt or class_label, height,
 width, num_inference_steps, guidance_scale, seed; missing column or NA: the keyword default).
 PNG names are content hashes of (model, request), so a rerun or a retried partition rewrites
-the same file. One engine per process (per Dask worker) and model, shared by its partitions.
+the same file. The rows join this worker's engine for the model (the cluster runtime's, as text
+rows do: every partition on a worker is combined into its steps, and rows migrate between
+workers and survive a lost worker).
 """
 from __future__ import annotations
 
 import hashlib
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..cluster.frame import is_meta_call
+from ..cluster.generate import run_requests
+from ..cluster.prestart import prestart
 from ..io.cells import is_na
+from .engine_spec import image_spec
 from .request import ImageRequest
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .engine import DiffusionEngine
-
 FIELDS = ("prompt", "class_label", "height", "width", "num_inference_steps", "guidance_scale", "seed")
-_ENGINES: dict[tuple, "DiffusionEngine"] = {}
-_LOCK = threading.Lock()
 
 
 def diffuse(pdf: pd.DataFrame, *, model: str | Path, output_dir: str | Path,
@@ -36,45 +37,35 @@ def diffuse(pdf: pd.DataFrame, *, model: str | Path, output_dir: str | Path,
     cannot load raises. defaults: ImageRequest fields for rows that do not give them."""
     import pandas as pd
 
-    from ..cluster.frame import is_meta_call
-
     unknown = sorted(set(defaults) - set(FIELDS))
     if unknown:
         raise TypeError(f"diffuse() got unknown keyword {unknown[0]!r} (ImageRequest fields: {', '.join(FIELDS)})")
+    spec = image_spec(model, engine_options)
     out = pdf.copy()
-    if len(pdf) == 0 or is_meta_call():
+    meta = is_meta_call()
+    if meta:
+        prestart(spec)  # graph construction on the client: workers load the pipeline now
+    if len(pdf) == 0 or meta:
         out["image_path"] = pd.array([pd.NA] * len(pdf), dtype="string")
         out["error"] = pd.array([pd.NA] * len(pdf), dtype="string")
         return out
-    engine = _engine(str(model), engine_options or {})
     reqs, errors = _requests(pdf, defaults)
     outdir = Path(output_dir)
     outdir.mkdir(parents=True, exist_ok=True)
     paths: list[Any] = [pd.NA] * len(pdf)
     runnable = [i for i, r in enumerate(reqs) if r is not None]
-    with _LOCK:  # one engine, many partitions on its worker's threads: they take turns
-        results = engine.generate_outputs([reqs[i] for i in runnable])
+    results = run_requests(spec, [(reqs[i], None) for i in runnable])
+    model_key = str(Path(spec.model).resolve())  # the engine's own key (DiffusionEngine.model_key)
     for i, res in zip(runnable, results):
         if res.error:
             errors[i] = f"row {pdf.index[i]!r}: {res.error}"
         else:
-            p = outdir / f"{_name(engine.model_key, reqs[i])}.png"
+            p = outdir / f"{_name(model_key, reqs[i])}.png"
             res.image.save(p, format="PNG")
             paths[i] = str(p)
     out["image_path"] = pd.array(paths, dtype="string")
     out["error"] = pd.array(errors, dtype="string")
     return out
-
-
-def _engine(model: str, options: dict[str, Any]) -> DiffusionEngine:
-    from .engine import DiffusionEngine
-
-    key = (str(Path(model).resolve()), tuple(sorted(options.items())))
-    with _LOCK:
-        engine = _ENGINES.get(key)
-        if engine is None:
-            engine = _ENGINES[key] = DiffusionEngine(model, **options)
-    return engine
 
 
 def _requests(pdf: pd.DataFrame, defaults: dict[str, Any]) -> tuple[list[ImageRequest | None], list[Any]]:

@@ -52,10 +52,10 @@ def sp_steps(model: str, state: bytes, ranks: tuple[int, ...], steps: int,
     """A member's part of `steps` Ulysses steps of one trajectory (a Dask task)."""
     import torch.distributed as dist
 
-    from .frame import _engine
+    from .engine_spec import process_engine
     from .sp import UlyssesShard
 
-    engine = _engine(model, dict(engine_options or {}))
+    engine = process_engine(model, dict(engine_options or {}))
     tid = engine.resume(state)
     group = Group.of(ranks)
     shard = UlyssesShard(group) if len(ranks) > 1 else None
