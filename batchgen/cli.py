@@ -9,9 +9,10 @@ is kept: rerun with --resume).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--input", required=True, type=Path, metavar="FILE",
                      help="requests: .jsonl (OpenAI batch) or .parquet")
     run.add_argument("--output", required=True, type=Path, metavar="FILE",
-                     help="results, same extension as --input; written as rows finish")
+                     help="results, same extension as --input (an image job's: .jsonl or .parquet); "
+                          "written as rows finish")
     again = run.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue an interrupted job: "
                        "skip rows already in --output, run the rest")
@@ -109,7 +111,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     cluster = g.add_mutually_exclusive_group()
     cluster.add_argument("--scheduler", metavar="ADDR",
                          help="run on the Dask cluster at ADDR (tcp://host:8786); the batchgen plugin is "
-                              "registered on it. Default: one in-process engine")
+                              "registered on it. Default: one in-process engine (image jobs: always, for now)")
     cluster.add_argument("--workers", type=_positive, metavar="N",
                          help="start a local Dask cluster of N worker processes and run on it")
     g.add_argument("--progress", choices=["auto", "bar", "lines", "off"], default="auto",
@@ -191,9 +193,7 @@ def _run(args: argparse.Namespace) -> int:
     from batchgen.io.spec import JobSpec
 
     if args.model and (Path(args.model) / "model_index.json").is_file():  # a diffusers pipeline: image generation
-        from batchgen.diffusion.images_batch import run_cli
-
-        return run_cli(args)
+        return _run_images(args)
 
     spec = JobSpec(input=args.input, output=args.output, resume=args.resume,
                    overwrite=args.overwrite, defaults=sampling_defaults(args),
@@ -204,6 +204,37 @@ def _run(args: argparse.Namespace) -> int:
     if args.models:
         return _run_models(spec, args)
     summary = _execute(spec, args.model, args)
+    print(f"batchgen: wrote {spec.output}: {summary.describe()}", file=sys.stderr)
+    return 0
+
+
+def _run_images(args: argparse.Namespace) -> int:
+    """An image job: a text job's checks and runner with the image reader, sink and backend
+    (batchgen/diffusion/images_batch.py), in this process or on a Dask cluster."""
+    from batchgen.diffusion.engine_spec import image_spec
+    from batchgen.diffusion.images_batch import IMAGE_FORMATS, cluster_stream, engine_stream, run_images_job
+    from batchgen.diffusion.pipeline import read_index
+    from batchgen.io.spec import JobSpec
+
+    spec = JobSpec(input=args.input, output=args.output, resume=args.resume, overwrite=args.overwrite,
+                   formats=IMAGE_FORMATS)
+    spec.check()
+    options = {"dtype": args.dtype or "auto", "device": args.device, "max_image_tokens": args.max_image_tokens}
+    name = Path(args.model).name
+    if args.scheduler or args.workers:
+        from batchgen.io.dask_backend import DaskBackend
+
+        read_index(args.model)  # not a supported pipeline: exit 2 before any work (weights load on the workers)
+        engine = image_spec(args.model, options)
+        with _cluster(args, engine.key) as client:
+            summary = run_images_job(spec, cluster_stream(DaskBackend(client, engine)), model_name=name,
+                                     chunk_size=args.chunk_size, progress=args.progress)
+    else:
+        from batchgen.diffusion.engine import DiffusionEngine
+
+        local = DiffusionEngine(args.model, **options)  # ModelLoadError: exit 2
+        summary = run_images_job(spec, engine_stream(local), model_name=name, chunk_size=args.chunk_size,
+                                 progress=args.progress)
     print(f"batchgen: wrote {spec.output}: {summary.describe()}", file=sys.stderr)
     return 0
 
@@ -251,28 +282,36 @@ def _execute(spec: JobSpec, model: str | Path, args: argparse.Namespace) -> JobS
 
 def _execute_on_cluster(spec: JobSpec, model: str | Path, args: argparse.Namespace) -> JobSummary:
     """The driver reads config and tokenizer only; the weights load on the workers."""
-    from distributed import Client
-
-    from batchgen.cluster.client import install, local_cluster
     from batchgen.cluster.spec import EngineSpec
     from batchgen.io.dask_backend import DaskBackend
     from batchgen.io.job import run_file_job
     from batchgen.models.info import ModelInfo
 
     info = ModelInfo.load(model)  # ModelLoadError / UnsupportedModelError: exit 2, before any work
-    options = engine_options(args)
+    engine = EngineSpec.make(model, engine_options(args))
+    with _cluster(args, engine.key) as client:
+        return run_file_job(spec, info, chunk_size=args.chunk_size, progress=args.progress,
+                            backend=DaskBackend(client, engine))
+
+
+@contextlib.contextmanager
+def _cluster(args: argparse.Namespace, engine_key: str) -> Iterator[Client]:
+    """A client of --scheduler's cluster, or of a local one of --workers workers (closed after),
+    with batchgen installed; a user's cluster is left as it was found."""
+    from distributed import Client
+
+    from batchgen.cluster.client import install, local_cluster
+
     cluster = None if args.scheduler else local_cluster(args.workers)
     try:
         client = Client(args.scheduler) if args.scheduler else Client(cluster)
         try:
             ours = install(client)  # False: the cluster already runs batchgen for someone else too
             try:
-                backend = DaskBackend(client, model, engine_options=options)
-                return run_file_job(spec, info, chunk_size=args.chunk_size, progress=args.progress,
-                                    backend=backend)
+                yield client
             finally:
                 if args.scheduler:
-                    _leave_as_found(client, ours, EngineSpec.make(model, options).key)
+                    _leave_as_found(client, ours, engine_key)
         finally:
             client.close()
     finally:

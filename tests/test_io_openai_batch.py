@@ -9,7 +9,7 @@ import pytest
 
 from batchgen.demo import EOS_ID, train_tokenizer
 from batchgen.io.openai_batch import (OpenAIBatchReader, error_record, record_error, record_key,
-                                      success_record)
+                                      response_record, row_key, success_record)
 from batchgen.io.request import Request
 from batchgen.io.rows import RowContext
 from batchgen.outputs import RequestOutput
@@ -176,6 +176,19 @@ def test_record_key_reads_previous_and_response_less_shapes() -> None:
     assert record_error(expired) == expired["error"] and record_key(expired) == ("id", "x")
     ok = {"custom_id": "y", "error": None, "response": {"status_code": 200, "body": {"choices": []}}}
     assert record_error(ok) is None and record_key(ok) == ("id", "y")
+
+
+def test_output_keys_are_the_input_keys(tmp_path: Path, ctx: RowContext) -> None:
+    """What --resume rests on: a row's record (or an image job's Parquet row, by ``row_key`` of
+    its columns) has the key of the input row it answers."""
+    reqs = _parse(tmp_path, ctx, [_line("a", prompt="x"), "{bad", _line("a", prompt="y"), _line(None, prompt="z"),
+                                  _line("b", prompt="x", top_p=7)])
+    for req in reqs:
+        record = error_record(req) if req.error else response_record(req, 200, {"data": []})
+        code = (record_error(record) or {}).get("code")
+        assert record_key(record) == row_key(req.custom_id, code, req.number) == req.key
+    with pytest.raises(KeyError):
+        row_key(None, None, None)  # keyed by a line it does not name: not a batchgen record
 
 
 def test_no_chat_template_is_a_row_error(tmp_path: Path, ctx: RowContext) -> None:

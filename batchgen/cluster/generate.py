@@ -117,10 +117,10 @@ def run_requests(spec: EngineSpec, requests: list[tuple[Any, Any]]) -> list[Requ
         host.close_job(job)
 
 
-def generate_rows(requests: list[tuple[Any, Any]], *, model: str | Path,
-                  engine_options: Mapping[str, Any] | None = None) -> list[RequestOutput]:
-    """The Dask task of `batchgen run --scheduler/--workers`: token-id prompts with their
-    SamplingParams in, RequestOutputs out (in order)."""
+def generate_rows(requests: list[tuple[Any, Any]], *, spec: Mapping[str, Any]) -> list[Any]:
+    """The Dask task of file jobs on a cluster (`batchgen run --scheduler/--workers`, multi-model
+    pools): (request, params) pairs in, outputs out, in order, on this worker's engine for `spec`
+    (an EngineSpec message: any engine class, text or image)."""
     from .spec import EngineSpec
 
-    return run_requests(EngineSpec.make(model, engine_options), requests)
+    return run_requests(EngineSpec.from_msg(spec), requests)

@@ -1,6 +1,6 @@
 """Backend that runs a job's rows on a Dask cluster running batchgen.
 
-Rows go out in tasks of `rows_per_task` (token ids + SamplingParams: small), at most
+Rows go out in tasks of `rows_per_task` (token ids + SamplingParams, or image requests: small), at most
 `max_in_flight` rows ahead of the finished ones; each task joins its worker's engine, where the
 scheduler plugin balances coroutines between workers. A task on a worker that dies is retried
 by Dask (`retries`), so every row comes back exactly once.
@@ -8,26 +8,22 @@ by Dask (`retries`), so every row comes back exactly once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from distributed import Client
 
-    from batchgen.outputs import RequestOutput
-    from batchgen.sampling_params import SamplingParams
+    from batchgen.cluster.spec import EngineSpec
 
 
 class DaskBackend:
-    def __init__(self, client: Client, model: str | Path, *, engine_options: Mapping[str, Any] | None = None,
-                 rows_per_task: int = 32, retries: int = 3) -> None:
-        self.client, self.model = client, str(Path(model).expanduser().absolute())
-        self.engine_options = dict(engine_options or {})
+    def __init__(self, client: Client, spec: EngineSpec, *, rows_per_task: int = 32, retries: int = 3) -> None:
+        """spec: the engine every row runs on (EngineSpec.make for text; any engine class)."""
+        self.client, self.spec = client, spec
         self.rows_per_task, self.retries = rows_per_task, retries
 
-    def run(self, requests: Iterable[tuple[list[int], SamplingParams]],
-            max_in_flight: int) -> Iterator[tuple[int, RequestOutput]]:
+    def run(self, requests: Iterable[tuple[Any, Any]], max_in_flight: int) -> Iterator[tuple[int, Any]]:
         from distributed import as_completed
 
         from batchgen.cluster.generate import generate_rows
@@ -42,9 +38,8 @@ class DaskBackend:
                 chunk = list(itertools.islice(source, per_task))
                 if not chunk:
                     return
-                future = self.client.submit(generate_rows, [req for _, req in chunk], model=self.model,
-                                            engine_options=self.engine_options, retries=self.retries,
-                                            pure=False)
+                future = self.client.submit(generate_rows, [req for _, req in chunk], spec=self.spec.to_msg(),
+                                            retries=self.retries, pure=False)
                 positions[future.key] = [pos for pos, _ in chunk]
                 done.add(future)
 

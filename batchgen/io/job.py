@@ -4,41 +4,33 @@ Memory stays bounded whatever the input's length: the reader parses lazily, the 
 valid rows as it has room (at most ``chunk_size`` in flight, topped up as rows finish, so the
 batch never drains between chunks), and finished rows are written (and made durable by the
 sink's ``flush``) at least every ``flush_rows`` rows or ``flush_seconds``.
-Invalid rows are written as errors without reaching the backend.
+Invalid rows are written as errors without reaching the backend. The runner knows rows, sinks
+and backends only: what a kind of job sends its backend is its ``Work`` (io/backend.py).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from batchgen.io.backend import Backend, EngineBackend
+from batchgen.io.backend import TEXT, Backend, EngineBackend, Work
 from batchgen.io.request import Request, RowError, RowKey
 from batchgen.io.rows import RowContext
+from batchgen.io.sink import Sink
 from batchgen.progress import Mode, Progress
 
 if TYPE_CHECKING:
     from batchgen.engine import Engine
     from batchgen.io.spec import JobSpec
     from batchgen.models.info import ModelInfo
-    from batchgen.outputs import RequestOutput
-    from batchgen.sampling_params import SamplingParams
 
 
-class Sink(Protocol):
-    """A resumable output (``JsonlSink``, ``ParquetSink``)."""
+class Reader(Protocol):
+    """An input file's rows (``OpenAIBatchReader``, ``ParquetReader``, an image job's reader)."""
 
-    flush_rows: int
-    done: set[RowKey]  # keys already in the output when it was opened
-
-    @property
-    def pending(self) -> int: ...
-    def add_result(self, req: Request, out: RequestOutput) -> None: ...
-    def add_error(self, req: Request) -> None: ...
-    def flush(self) -> None: ...
-    def commit(self) -> None: ...
-    def close(self) -> None: ...
+    def count(self) -> int: ...
+    def requests(self, skip: set[RowKey]) -> Iterator[Request]: ...
 
 
 @dataclass(slots=True)
@@ -46,22 +38,23 @@ class JobSummary:
     resumed: int = 0  # rows already in the output before this run
     succeeded: int = 0
     errors: int = 0
-    generated_tokens: int = 0
+    generated: int = 0  # in ``unit``
     wall_s: float = 0.0
+    unit: str = "tokens"
 
     @property
     def rows(self) -> int:
         return self.succeeded + self.errors
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+    def per_s(self) -> float:
+        return self.generated / self.wall_s if self.wall_s > 0 else 0.0
 
     def describe(self) -> str:
         text = (f"{self.rows} rows: {self.succeeded} succeeded, {self.errors} errors"
                 + (f" ({self.resumed} already done before this run)" if self.resumed else "")
-                + f"; {self.generated_tokens} tokens generated in {self.wall_s:.1f} s "
-                f"({self.tokens_per_s:,.1f} tok/s)")
+                + f"; {self.generated} {self.unit} generated in {self.wall_s:.1f} s "
+                f"({self.per_s:,.1f} {'tok' if self.unit == 'tokens' else self.unit}/s)")
         if self.errors:
             text += "\nsome rows failed: their error records say why (line/row, field, value)"
         return text
@@ -69,8 +62,8 @@ class JobSummary:
 
 def run_file_job(spec: JobSpec, engine: Engine | ModelInfo, *, chunk_size: int = 1024,
                  progress: Mode = "auto", backend: Backend | None = None) -> JobSummary:
-    """Run ``spec``'s input file on ``engine`` (or ``backend``, which then does the work while
-    ``engine`` -- an Engine or just a ModelInfo -- provides the tokenizer and limits).
+    """Run ``spec``'s text input file on ``engine`` (or ``backend``, which then does the work
+    while ``engine`` -- an Engine or just a ModelInfo -- provides the tokenizer and limits).
     Call ``spec.check()`` first."""
     ctx = RowContext(engine.tokenizer, engine.vocab_size, engine.max_model_len, spec.defaults)
     reader, sink = spec.open(ctx, model=engine.model_dir.name)
@@ -78,13 +71,20 @@ def run_file_job(spec: JobSpec, engine: Engine | ModelInfo, *, chunk_size: int =
         if not hasattr(engine, "run_requests"):
             raise TypeError("run_file_job needs an Engine, or a backend to run on")
         backend = EngineBackend(engine)  # type: ignore[arg-type]
-    status = getattr(engine, "progress_status", None) if isinstance(backend, EngineBackend) else None
+    return run_reader(reader, sink, backend, chunk_size=chunk_size, progress=progress)
+
+
+def run_reader(reader: Reader, sink: Sink, backend: Backend, *, work: Work = TEXT,
+               chunk_size: int = 1024, progress: Mode = "auto") -> JobSummary:
+    """Run the rows of ``reader`` not yet in ``sink``, with a progress display; the backend's
+    ``progress_status()``, if it has one, adds its own figures to it."""
+    status = getattr(backend, "progress_status", None)
     with Progress(reader.count(), initial=len(sink.done), mode=progress, status=status) as bar:
-        return run_job(reader.requests(sink.done), sink, backend,
+        return run_job(reader.requests(sink.done), sink, backend, work=work,
                        chunk_size=chunk_size, progress=bar)
 
 
-def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
+def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *, work: Work = TEXT,
             chunk_size: int = 1024, flush_seconds: float = 2.0,
             progress: Progress | None = None) -> JobSummary:
     """Run every request, write every result or error to ``sink``, then commit it.
@@ -92,13 +92,14 @@ def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
     On an exception (KeyboardInterrupt included) the rows finished so far are flushed and the
     sink stays resumable.
     """
-    summary = JobSummary(resumed=len(sink.done))
+    summary = JobSummary(resumed=len(sink.done), unit=work.unit)
     start = last_flush = time.monotonic()
+    counts_tokens = work.unit == "tokens"  # the progress line's rate is tok/s
 
-    def wrote(rows: int = 1, tokens: int = 0) -> None:
+    def wrote(amount: int = 0) -> None:
         nonlocal last_flush
         if progress is not None:
-            progress.update(rows, tokens)
+            progress.update(1, amount if counts_tokens else 0)
         now = time.monotonic()
         if sink.pending >= sink.flush_rows or now - last_flush >= flush_seconds:
             sink.flush()
@@ -114,19 +115,16 @@ def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
         wrote()
         return False
 
-    def valid_requests() -> Iterator[tuple[list[int], SamplingParams] | tuple[list[int], SamplingParams, str]]:
-        """Invalid rows are written here and never reach the backend. A multi-model row also
-        names its model (a ``batchgen.moa.MultiModelBackend`` takes those)."""
+    def valid_items() -> Iterator[Any]:
+        """Invalid rows are written here and never reach the backend."""
         for position, req in enumerate(r for r in requests if _written_if_invalid(r)):
             in_flight[position] = req
-            if req.model is None:
-                yield req.prompt_token_ids, req.params  # type: ignore[misc]
-            else:
-                yield req.prompt_token_ids, req.params, req.model  # type: ignore[misc]
+            yield work.item(req)
 
     try:
-        for position, out in backend.run(valid_requests(), chunk_size):
+        for position, out in backend.run(valid_items(), chunk_size):
             req = in_flight.pop(position)
+            amount = 0
             if out.finish_reason == "error":
                 req.fail_with(RowError("invalid_request", out.error or "generation failed"))
                 sink.add_error(req)
@@ -134,8 +132,9 @@ def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
             else:
                 sink.add_result(req, out)
                 summary.succeeded += 1
-                summary.generated_tokens += out.num_generated_tokens
-            wrote(1, out.num_generated_tokens)
+                amount = work.amount(out)
+                summary.generated += amount
+            wrote(amount)
     except BaseException:
         sink.close()
         raise
@@ -143,5 +142,3 @@ def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *,
         summary.wall_s = time.monotonic() - start
     sink.commit()
     return summary
-
-

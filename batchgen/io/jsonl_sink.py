@@ -34,12 +34,13 @@ class JsonlSink:
         return len(self._buffer)
 
     def add_result(self, req: Request, out: RequestOutput) -> None:
-        self._add(success_record(req, out, req.model or self.model, self.tokenizer))
+        self.add_record(success_record(req, out, req.model or self.model, self.tokenizer))
 
     def add_error(self, req: Request) -> None:
-        self._add(error_record(req))
+        self.add_record(error_record(req))
 
-    def _add(self, record: dict[str, Any]) -> None:
+    def add_record(self, record: dict[str, Any]) -> None:
+        """Buffer one output line (a record of ``openai_batch``'s shape, so that resume reads its key)."""
         line = json.dumps(record, ensure_ascii=False) + "\n"
         try:
             line.encode("utf-8")

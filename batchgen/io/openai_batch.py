@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from batchgen.io.logprobs import chat_logprobs, completion_logprobs
 from batchgen.io.params import FieldError, openai_fields
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 ENDPOINTS = {"/v1/completions": False, "/v1/chat/completions": True}  # url -> is chat
 # Rows that have no custom_id of their own to be recognised by on --resume.
 _LINE_KEYED_CODES = frozenset({"invalid_json", "missing_custom_id", "duplicate_custom_id"})
+R = TypeVar("R", bound=Request)  # the row type a reader makes (an image job's adds its images)
 
 
 class OpenAIBatchReader:
@@ -46,28 +47,36 @@ class OpenAIBatchReader:
         self.path, self.ctx, self.contexts = path, ctx, contexts
 
     def count(self) -> int:
-        with open(self.path, "rb") as f:
-            return sum(1 for raw in f if raw.strip())
+        return count_lines(self.path)
 
     def requests(self, skip: set[RowKey] | frozenset[RowKey] = frozenset()) -> Iterator[Request]:
-        seen: dict[str, int] = {}  # custom_id -> first line; duplicates depend on the input only
-        with open(self.path, "rb") as f:
-            for number, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                req, obj = identify(raw, number, seen)
-                if req.key in skip:
-                    continue
-                if req.is_valid:
-                    ctx = self.ctx if self.contexts is None else pick_model(req, obj, self.contexts)
-                    if ctx is not None:
-                        complete(req, obj, ctx)
-                yield req
+        for req, obj in read_lines(self.path, skip, Request):
+            if req.is_valid:
+                ctx = self.ctx if self.contexts is None else pick_model(req, obj, self.contexts)
+                if ctx is not None:
+                    complete(req, obj, ctx)
+            yield req
 
 
-def identify(raw: bytes, number: int, seen: dict[str, int]) -> tuple[Request, dict[str, Any]]:
+def count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+def read_lines(path: Path, skip: set[RowKey] | frozenset[RowKey], row: type[R]) -> Iterator[tuple[R, dict[str, Any]]]:
+    """Each non-blank line whose key is not in ``skip``: its row (a ``row``, identified) and JSON."""
+    seen: dict[str, int] = {}  # custom_id -> first line; duplicates depend on the input only
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if raw.strip():
+                req, obj = identify(raw, number, seen, row)
+                if req.key not in skip:
+                    yield req, obj
+
+
+def identify(raw: bytes, number: int, seen: dict[str, int], row: type[R]) -> tuple[R, dict[str, Any]]:
     """Parse the JSON and the custom_id: enough to know the row's key."""
-    req = Request(key=("line", number), where=f"line {number}", number=number)
+    req = row(key=("line", number), where=f"line {number}", number=number)
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -158,7 +167,7 @@ def success_record(req: Request, out: RequestOutput, model: str,
                   # OpenAI's field: prompt tokens whose KV the prefix cache supplied
                   "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}},
     }
-    return _record(req, 200, body)
+    return response_record(req, 200, body)
 
 
 def error_record(req: Request) -> dict[str, Any]:
@@ -167,7 +176,7 @@ def error_record(req: Request) -> dict[str, Any]:
     assert req.error is not None
     error = {"message": req.error.message, "type": "invalid_request_error",
              "param": req.error.param, "code": req.error.code, "line": req.number}
-    return _record(req, 400, {"error": error})
+    return response_record(req, 400, {"error": error})
 
 
 def record_error(record: dict[str, Any]) -> dict[str, Any] | None:
@@ -182,12 +191,21 @@ def record_error(record: dict[str, Any]) -> dict[str, Any] | None:
 def record_key(record: dict[str, Any]) -> RowKey:
     """The key of the input row an output line answers (see ``identify``)."""
     error = record_error(record) or {}
-    if record.get("custom_id") is None or error.get("code") in _LINE_KEYED_CODES:
-        return ("line", error["line"])
-    return ("id", record["custom_id"])
+    return row_key(record.get("custom_id"), error.get("code"), error.get("line"))
 
 
-def _record(req: Request, status: int, body: dict[str, Any]) -> dict[str, Any]:
+def row_key(custom_id: str | None, error_code: str | None, line: int | None) -> RowKey:
+    """The key of the input row that an output row (JSONL record, or an image job's Parquet
+    row) answers, from its custom_id, error code and input line (see ``identify``)."""
+    if custom_id is not None and error_code not in _LINE_KEYED_CODES:
+        return ("id", custom_id)
+    if line is None:
+        raise KeyError("line")  # keyed by its line, yet names none: not a batchgen record
+    return ("line", line)
+
+
+def response_record(req: Request, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """One output line: ``body`` answers ``req`` with HTTP ``status``, in OpenAI's batch shape."""
     return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": req.custom_id,
             "response": {"status_code": status, "request_id": uuid.uuid4().hex, "body": body},
             "error": None}

@@ -16,12 +16,16 @@ labels: a header that cannot also label the added string-named columns (a MultiI
 labels) is dropped, and those columns come back labelled by their Parquet names. Other schema
 metadata (e.g. Hugging Face ``datasets`` features) lists the input's columns as all there are,
 so it is not carried.
+
+Another kind of job writes its own columns (``columns``) and says how a stored row's key is
+read back (``key_columns``, ``keys``) and where a completed output's rows stand (``row_numbers``).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +33,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
-
 from batchgen.io.parquet import OUTPUT_COLUMNS
 from batchgen.io.request import Request, RowKey
 
@@ -45,10 +48,13 @@ def parts_dir(output: Path) -> Path:
 
 class ParquetSink:
     flush_rows = 1024
+    key_columns: tuple[str, ...] = (ROW_COLUMN,)  # what ``keys`` reads of a part
 
-    def __init__(self, path: Path, input_schema: pa.Schema, *, resume: bool) -> None:
+    def __init__(self, path: Path, input_schema: pa.Schema, *, resume: bool,
+                 columns: pa.Schema = OUTPUT_COLUMNS) -> None:
+        """columns: the job's own, written after the input's (text: ``OUTPUT_COLUMNS``)."""
         self.path, self.parts = path, parts_dir(path)
-        self.schema = pa.schema([*input_schema, *OUTPUT_COLUMNS, (ROW_COLUMN, pa.int64())],
+        self.schema = pa.schema([*input_schema, *columns, (ROW_COLUMN, pa.int64())],
                                 metadata=output_metadata(input_schema))
         self._rows: list[dict[str, Any]] = []
         self.done: set[RowKey] = set()
@@ -61,7 +67,7 @@ class ParquetSink:
             tmp.unlink()  # a part the last run was killed while writing
         self._next = 0
         for part in sorted(self.parts.glob("part-*.parquet")):
-            self.done.update(pq.read_table(part, columns=[ROW_COLUMN])[ROW_COLUMN].to_pylist())
+            self.done.update(self.keys(pq.read_table(part, columns=list(self.key_columns))))
             self._next = int(part.stem.split("-")[1]) + 1
 
     @property
@@ -69,16 +75,25 @@ class ParquetSink:
         return len(self._rows)
 
     def add_result(self, req: Request, out: RequestOutput) -> None:
-        self._rows.append({**req.columns, "generated_text": out.text,
-                           "num_generated_tokens": out.num_generated_tokens,
-                           "finish_reason": out.finish_reason, "error": None,
-                           ROW_COLUMN: req.number})
+        self.add_row(req, {"generated_text": out.text, "num_generated_tokens": out.num_generated_tokens,
+                           "finish_reason": out.finish_reason, "error": None})
 
     def add_error(self, req: Request) -> None:
         assert req.error is not None
-        self._rows.append({**req.columns, "generated_text": None, "num_generated_tokens": 0,
-                           "finish_reason": "error", "error": req.error.message,
-                           ROW_COLUMN: req.number})
+        self.add_row(req, {"generated_text": None, "num_generated_tokens": 0,
+                           "finish_reason": "error", "error": req.error.message})
+
+    def add_row(self, req: Request, values: dict[str, Any]) -> None:
+        """Buffer ``req``'s output row: its input columns, then ``values`` of the job's columns."""
+        self._rows.append({**req.columns, **values, ROW_COLUMN: req.number})
+
+    def keys(self, table: pa.Table) -> Iterable[RowKey]:
+        """The keys of the input rows that ``table``'s rows (``key_columns`` of them) answer."""
+        return table[ROW_COLUMN].to_pylist()
+
+    def row_numbers(self, table: pa.Table) -> pa.Array:
+        """A completed output's row numbers: its positions, as it lists rows in input order."""
+        return pa.array(range(table.num_rows), pa.int64())
 
     def flush(self) -> None:
         if self._rows:
@@ -105,12 +120,10 @@ class ParquetSink:
     def _adopt_output(self) -> None:
         """A completed output becomes part 0, so its rows count as done. The parts directory
         appears only once that part is whole: an adoption that fails leaves no trace."""
-        # A completed output lists rows in input order: row numbers are positions.
         table = pq.read_table(self.path)
-        table = table.append_column(ROW_COLUMN, pa.array(range(table.num_rows), pa.int64()))
         try:
-            table = table.cast(self.schema)
-        except (ValueError, pa.ArrowInvalid) as exc:
+            table = table.append_column(ROW_COLUMN, self.row_numbers(table)).cast(self.schema)
+        except (ValueError, KeyError, pa.ArrowInvalid) as exc:
             raise BatchgenError(f"--resume: {self.path} does not have the columns this input produces "
                                 f"({exc}); use --overwrite to start over") from None
         staging = self.parts.with_name(f".{self.parts.name}.tmp")

@@ -1,8 +1,10 @@
 """A file job's settings, the checks that must pass before any work, and opening its files.
 
-The format follows the input's extension (``.jsonl``: OpenAI batch; ``.parquet``); the output
-must use the same one. ``check`` raises ``BatchgenError`` with one clear message for anything
-that would make the whole job fail, so the CLI can stop before loading a model.
+The format follows the extension (``.jsonl``: OpenAI batch; ``.parquet``); a text job's output
+must use its input's, another kind of job says what it reads and writes (``formats``). ``check``
+raises ``BatchgenError`` with one clear message for anything that would make the whole job fail,
+so the CLI can stop before loading a model. ``open`` opens a text job's reader and sink; another
+kind of job opens its own after ``prepare_output``.
 """
 from __future__ import annotations
 
@@ -22,10 +24,22 @@ from batchgen.io.structured import StructuredFieldError, resolve
 from batchgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from batchgen.io.job import Sink
+    from batchgen.io.sink import Sink
 
 Format = Literal["jsonl", "parquet"]
 FORMATS: dict[str, Format] = {".jsonl": "jsonl", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True, slots=True)
+class Formats:
+    """The extensions a kind of job reads and writes."""
+
+    inputs: tuple[str, ...] = tuple(FORMATS)
+    outputs: tuple[str, ...] = ()  # empty: the input's own (a text job writes the format it reads)
+    job: str = "a text job"  # names the kind in messages
+
+
+TEXT_FORMATS = Formats()
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,19 +54,19 @@ class JobSpec:
     id_column: str | None = None
     param_columns: dict[str, str] = field(default_factory=dict)  # field -> column
     per_row_params: bool = False
+    formats: Formats = TEXT_FORMATS
 
     @property
     def format(self) -> Format:
         return FORMATS[self.input.suffix.lower()]
 
+    @property
+    def output_format(self) -> Format:
+        return FORMATS[self.output.suffix.lower()]
+
     def check(self) -> None:
         """Everything that can be known wrong before the model is loaded."""
-        if self.input.suffix.lower() not in FORMATS:
-            raise BatchgenError(f"--input {self.input}: unknown extension "
-                                f"{self.input.suffix!r}; use one of {', '.join(FORMATS)}")
-        if self.output.suffix.lower() != self.input.suffix.lower():
-            raise BatchgenError(f"--output {self.output}: must be {self.input.suffix} like "
-                                "the input (the output format follows the input's)")
+        self._check_extensions()
         if not self.input.is_file():
             raise BatchgenError(f"--input {self.input}: no such file")
         try:
@@ -80,15 +94,30 @@ class JobSpec:
             check_columns(self.input, schema.names, self.prompt_column, self.id_column,
                           self.param_columns)
 
-    def open(self, ctx: RowContext, *, model: str, contexts: dict[str, RowContext] | None = None) -> tuple[
-            OpenAIBatchReader | ParquetReader, Sink]:
-        """The reader and the (resumed or fresh) sink; call ``check`` first."""
+    def _check_extensions(self) -> None:
+        kind, suffix = self.formats.job, self.input.suffix.lower()
+        if suffix not in self.formats.inputs:
+            raise BatchgenError(f"--input {self.input}: {kind} reads {' or '.join(self.formats.inputs)} "
+                                f"files; its extension is {self.input.suffix!r}")
+        if self.output.suffix.lower() not in (self.formats.outputs or (suffix,)):
+            why = (f"{kind} writes {' or '.join(self.formats.outputs)} files" if self.formats.outputs else
+                   f"must be {self.input.suffix} like the input (the output format follows the input's)")
+            raise BatchgenError(f"--output {self.output}: {why}")
+
+    def prepare_output(self) -> None:
+        """Make way for the output (``--overwrite`` removes the old one) and record which input
+        it is made from, for a later ``--resume``; call ``check`` first."""
         self.output.parent.mkdir(parents=True, exist_ok=True)
         if self.overwrite:
             self.output.unlink(missing_ok=True)
             shutil.rmtree(parts_dir(self.output), ignore_errors=True)
         if not (self.resume and self._output_exists()):
             record(self.input, self.output)
+
+    def open(self, ctx: RowContext, *, model: str, contexts: dict[str, RowContext] | None = None) -> tuple[
+            OpenAIBatchReader | ParquetReader, Sink]:
+        """A text job's reader and (resumed or fresh) sink; call ``check`` first."""
+        self.prepare_output()
         if self.format == "jsonl":
             return (OpenAIBatchReader(self.input, ctx, contexts),
                     JsonlSink(self.output, model=model, resume=self.resume,

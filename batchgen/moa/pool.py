@@ -217,7 +217,7 @@ class ModelPool:
             from ..cluster.generate import generate_rows
 
             futures = self.client.map(generate_rows, [[(it.prompt, it.params) for it in items] for items in tasks],
-                                      model=spec.model, engine_options=dict(spec.options), workers=[worker],
+                                      spec=spec.to_msg(), workers=[worker],
                                       allow_other_workers=False, retries=self.retries, pure=False)
             keys = [f.key for f in futures]
         for key, fut, items in zip(keys, futures, tasks):
