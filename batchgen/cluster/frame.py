@@ -14,16 +14,15 @@ The answer to a meta call is the input rows plus the output columns with their f
 """
 from __future__ import annotations
 
-import functools
-import math
 import sys
-import typing
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from typing import Any
 
 import pandas as pd
 
+from ..io.cells import plain, whole_floats_to_int
+from ..io.params import INT_FIELDS, INT_LIST_FIELDS
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..structured.params import StructuredOutputsParams
@@ -68,25 +67,23 @@ def read_requests(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, s
                   base: SamplingParams) -> list[tuple[Any, SamplingParams]]:
     """One (prompt, params) per row, in row order. Missing per-row values (NA) keep `base`'s.
 
-    Values are made plain Python (numpy scalars, arrays -> lists); a whole-number float for an
-    integer field (a column with NA is float) becomes an int. Anything else is left for the
-    engine to reject, so only that row fails.
+    Values are made plain Python by the one cell conversion file rows use too (io/cells.py):
+    numpy scalars, arrays -> lists, a whole-number float for an integer field (a column with NA
+    is float) -> an int. Anything else is left for the engine to reject, so only that row fails.
     """
-    ints = _int_fields()
-    prompts = [_prompt(v) for v in pdf[prompt_column].tolist()]
-    columns = {name: pdf[col].tolist() for name, col in per_row.items()}
+    prompts = [v if isinstance(v, str) else plain(v) for v in pdf[prompt_column].tolist()]  # NA -> None:
+    columns = {name: pdf[col].tolist() for name, col in per_row.items()}  # the engine fails that row
     requests: list[tuple[Any, SamplingParams]] = []
     for i, prompt in enumerate(prompts):
         overrides = {}
         for name, values in columns.items():
-            value = _plain(values[i])
+            value = plain(values[i])
             if value is None:
                 continue
-            if name in ints and isinstance(value, float) and value.is_integer():
-                value = int(value)
             if name == JSON_SCHEMA:
                 name, value = "structured_outputs", with_schema(base.structured_outputs, value)
             overrides[name] = value
+        overrides = whole_floats_to_int(overrides, INT_FIELDS, INT_LIST_FIELDS)
         requests.append((prompt, replace(base, **overrides) if overrides else base))
     return requests
 
@@ -123,34 +120,3 @@ def _with_columns(pdf: pd.DataFrame, text: list[str], num: list[int], reason: li
         finish_reason=pd.Series(reason, index=pdf.index, dtype=dtype),
         error=pd.Series(error, index=pdf.index, dtype=dtype),
     )
-
-
-@functools.cache
-def _int_fields() -> frozenset[str]:
-    hints = typing.get_type_hints(SamplingParams)
-    return frozenset(n for n, t in hints.items() if t is int or int in typing.get_args(t))
-
-
-def _prompt(value: Any) -> Any:
-    if isinstance(value, str):
-        return value
-    return _plain(value)  # NA -> None, which the engine rejects for that row alone
-
-
-def _plain(value: Any) -> Any:
-    """numpy / pyarrow / pandas scalars and arrays -> Python; NA -> None."""
-    if value is None or value is pd.NA or value is pd.NaT:
-        return None
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if hasattr(value, "as_py"):  # pyarrow scalar
-        value = value.as_py()
-    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
-        value = value.tolist()  # numpy scalar -> Python scalar, ndarray -> list
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, tuple):
-        value = list(value)
-    if isinstance(value, list):
-        value = [v.item() if hasattr(v, "item") and not isinstance(v, (str, bytes)) else v for v in value]
-    return value

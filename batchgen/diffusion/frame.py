@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..cluster.frame import is_meta_call
 from ..cluster.generate import run_requests
 from ..cluster.prestart import prestart
-from ..io.cells import is_na
+from ..io.cells import plain, whole_floats_to_int
 from .engine_spec import image_spec
 from .request import ImageRequest
 
@@ -75,9 +75,8 @@ def _requests(pdf: pd.DataFrame, defaults: dict[str, Any]) -> tuple[list[ImageRe
     errors: list[Any] = []
     for label, row in zip(pdf.index, pdf.to_dict("records")):
         kw = dict(defaults)
-        for name in FIELDS:
-            if name in row and not is_na(row[name]):
-                kw[name] = _plain(name, row[name])
+        cells = {name: plain(row[name]) for name in FIELDS if name in row}
+        kw.update(whole_floats_to_int({k: v for k, v in cells.items() if v is not None}, INT_FIELDS))
         try:
             reqs.append(ImageRequest(**kw))
             errors.append(pd.NA)
@@ -88,15 +87,6 @@ def _requests(pdf: pd.DataFrame, defaults: dict[str, Any]) -> tuple[list[ImageRe
 
 
 INT_FIELDS = ("class_label", "height", "width", "num_inference_steps", "seed")
-
-
-def _plain(name: str, value: Any) -> Any:
-    # numpy scalars -> Python values; an int column with NA arrives as floats (3.0 -> 3)
-    if hasattr(value, "item"):
-        value = value.item()
-    if name in INT_FIELDS and isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
 
 
 def _name(model_key: str, req: ImageRequest) -> str:

@@ -8,11 +8,11 @@ nothing we do not do (``stream: false``, ``n: 1``).
 from __future__ import annotations
 
 import difflib
-import numbers
 from collections.abc import Mapping
 from typing import Any, get_type_hints
 
 from batchgen.errors import RequestError
+from batchgen.io.cells import whole_floats_to_int
 from batchgen.io.request import RowError, describe
 from batchgen.io.structured import JSON_SCHEMA, StructuredFieldError, from_body, from_response_format, resolve
 from batchgen.sampling_params import SamplingParams
@@ -94,7 +94,7 @@ def make_params(defaults: Mapping[str, Any], fields: Mapping[str, Any],
     except StructuredFieldError as exc:
         raise FieldError(exc.error) from None
     try:
-        params = SamplingParams.from_mapping(integral_floats_to_int(merged))
+        params = SamplingParams.from_mapping(whole_floats_to_int(merged, INT_FIELDS, INT_LIST_FIELDS))
     except TypeError as exc:  # an unknown field name
         raise FieldError(RowError("unknown_field", str(exc))) from None
     problem = params.validate(vocab_size)
@@ -103,25 +103,3 @@ def make_params(defaults: Mapping[str, Any], fields: Mapping[str, Any],
         param = prefix + name if name in FIELD_NAMES else None
         raise FieldError(RowError("invalid_value", prefix + problem, param))
     return params
-
-
-def integral_floats_to_int(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """An integral float in an integer field becomes an int (``max_tokens: 3.0`` -> 3), as the
-    OpenAI server's lax parsing takes it; a pandas integer column with nulls reaches Parquet as
-    floats too. Anything else (3.5, true, "3") is left as it is, for ``validate`` to reject
-    naming the field and the value."""
-    out = dict(fields)
-    for name, value in fields.items():
-        if name in INT_FIELDS:
-            out[name] = _as_int(value)
-        elif name in INT_LIST_FIELDS and isinstance(value, (list, tuple)):
-            out[name] = [_as_int(v) for v in value]
-    return out
-
-
-def _as_int(value: Any) -> Any:
-    # bool is Integral, so it is never touched; inf and NaN are not integral.
-    if (isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
-            and float(value).is_integer()):
-        return int(value)
-    return value
