@@ -68,7 +68,7 @@ class EngineConfig:
     # Each budget must hold one MoE layer's experts. Both None: everything resident.
     expert_memory_bytes: int | None = None
     expert_host_memory_bytes: int | None = None
-    expert_eviction: str = "routing"  # or "layer-order" (offload/policy.py)
+    expert_eviction: str = "routing"  # or "layer-order" (policy/expert_eviction.py)
     expert_prefetch: str = "auto"  # next-layer predictor: "router", "history", "none"; auto: router on CUDA, none on CPU
     expert_io_threads: int = 1  # reader threads for experts on disk
     expert_overlap_reads: bool = True  # CPU: compute a stage's landed experts while the rest are read (store.py)

@@ -45,7 +45,7 @@ import pyarrow as pa
 from distributed import Client, LocalCluster, get_worker
 
 import batchgen.cluster as bc
-from batchgen.cluster.balance import BalanceConfig
+from batchgen.policy.balance import BalanceConfig
 
 
 def make_rows(n: int, vocab: int, min_tokens: int, max_tokens: int, seed: int,

@@ -164,7 +164,7 @@ def main() -> int:
     from distributed import Client, LocalCluster
 
     from batchgen.diffusion.calibrate import calibrate_cluster
-    from batchgen.diffusion.policy import TrajView, best_degree, remaining_work
+    from batchgen.policy.diffusion_step import TrajView, best_degree, remaining_work
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_diffusion_"))
     model = str(tiny.build_dit(tmp / "dit", layers=4, heads=4, head_dim=16))

@@ -1,6 +1,6 @@
 """Which expert eviction moves fewer bytes: routing-aware or layer order alone? (torch-free)
 
-Drives the real policy code (batchgen/offload/policy.py: pick_victims, RoutingStats) with a
+Drives the real policy code (batchgen/policy/expert_eviction.py: pick_victims, RoutingStats) with a
 synthetic routing trace: L MoE layers of E experts, each stage routes T tokens top-k with a
 Zipf-skewed expert popularity per layer (real MoE routers are skewed: a few experts take a large
 share of tokens), a pool that holds a fraction of all experts. Counts the experts brought in.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from batchgen.offload.policy import EVICTIONS, RoutingStats, pick_victims
+from batchgen.policy.expert_eviction import EVICTIONS, RoutingStats, pick_victims
 
 
 def trace(layers: int, experts: int, top_k: int, tokens: int, skew: float, stages: int, seed: int) -> list[list[int]]:

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from batchgen.cluster.balance import CoroutineInfo, EngineLoad, plan_migrations, relative_speeds
+from batchgen.policy.balance import CoroutineInfo, EngineLoad, plan_migrations, relative_speeds
 from batchgen.config import EngineConfig
 from batchgen.engine import device_class
 from batchgen.sim.cluster import ClusterSimConfig, simulate

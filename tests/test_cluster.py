@@ -117,8 +117,8 @@ def test_map_partitions_equals_one_engine(client: Client, ckpt: Path, reference:
 
 def test_long_partitions_migrate_to_the_idle_worker(client: Client, ckpt: Path, reference: Any) -> None:
     busy, idle = workers(client)
-    # long enough that the balancer acts before they end, also on a busy machine (context 512)
-    long_parts = [rows(8, lambda i: 260 + 10 * i, start=100 + 10 * k) for k in range(2)]
+    # long enough that the balancer acts before they end, on a busy machine and on a fast one (context 512)
+    long_parts = [rows(8, lambda i: 400 + 10 * i, start=100 + 10 * k) for k in range(2)]
     short = rows(4, lambda i: 2, start=200)
     before = bc.metrics(client)["migrations"]
     futures = [submit(client, p, ckpt, busy) for p in long_parts] + [submit(client, short, ckpt, idle)]

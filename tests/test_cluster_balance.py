@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.cluster.balance import BalanceConfig, CoroutineInfo, EngineLoad, Migration, plan_migrations
+from batchgen.policy.balance import BalanceConfig, CoroutineInfo, EngineLoad, Migration, plan_migrations
 
 M = "model"
 
@@ -26,7 +26,7 @@ def moved_tokens(orders: list[Migration]) -> int:
 
 
 def test_module_is_pure() -> None:
-    tree = ast.parse(Path(__file__).parents[1].joinpath("batchgen/cluster/balance.py").read_text())
+    tree = ast.parse(Path(__file__).parents[1].joinpath("batchgen/policy/balance.py").read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
@@ -36,8 +36,8 @@ def test_module_is_pure() -> None:
 def test_reported_rows_are_the_sorted_report_and_made_only_for_those_listed(monkeypatch: pytest.MonkeyPatch) -> None:
     import random
 
-    import batchgen.cluster.balance as balance
-    from batchgen.cluster.balance import CoroutineInfo, reported_movable, reported_movable_rows
+    import batchgen.policy.balance as balance
+    from batchgen.policy.balance import CoroutineInfo, reported_movable, reported_movable_rows
 
     rng = random.Random(0)
     rows = [(i, rng.choice([5, 9, 9, 30]), rng.choice([0, 0, 3])) for i in range(1000)]  # many ties
@@ -242,7 +242,7 @@ def test_running_coroutines_need_free_seats_and_no_queue_at_the_destination() ->
 def _plan_model_reference(loads: list[EngineLoad], config: BalanceConfig, budget: int) -> list[Migration]:
     """The planning loop before it stopped at the first source not worth moving from: it tried
     every source in turn (O(workers^2) a plan). The loop now must give the same orders."""
-    from batchgen.cluster import balance as b
+    from batchgen.policy import balance as b
 
     loads = sorted(loads, key=lambda x: x.worker)
     nodes = [b._Node(load, load.remaining_tokens / speed, speed, queued=load.waiting)
@@ -278,7 +278,7 @@ def _plan_model_reference(loads: list[EngineLoad], config: BalanceConfig, budget
 def test_planning_stops_early_with_the_same_orders_as_trying_every_source() -> None:
     import random
 
-    from batchgen.cluster.balance import _plan_model
+    from batchgen.policy.balance import _plan_model
 
     rng = random.Random(7)
     for case in range(300):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from batchgen import Engine, SamplingParams
-from batchgen.cluster.balance import Migration
+from batchgen.policy.balance import Migration
 from batchgen.cluster.host import Host
 from batchgen.cluster.job import PartitionJob
 from batchgen.cluster.runner import EngineRunner, RowRef

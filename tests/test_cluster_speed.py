@@ -1,7 +1,7 @@
 """When an engine's rate counts as its capacity (the speed the balancer weighs work by)."""
 from __future__ import annotations
 
-from batchgen.cluster.speed import at_capacity
+from batchgen.policy.speed import at_capacity
 
 
 def test_rows_waiting_for_their_prefill_turn_are_not_capacity() -> None:

@@ -1,4 +1,4 @@
-"""diffusion/policy.py and cost.py: torch-free decisions, no model."""
+"""policy/diffusion_step.py and diffusion_cost.py: torch-free decisions, no model."""
 from __future__ import annotations
 
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from batchgen.diffusion.cost import CostModel
-from batchgen.diffusion.policy import TrajView, best_degree, plan_step, priority
+from batchgen.policy.diffusion_cost import CostModel
+from batchgen.policy.diffusion_step import TrajView, best_degree, plan_step, priority
 
 COST = CostModel(fixed=1e-3, per_token=1e-5, per_attn=1e-7, per_comm_token=2e-6, comm_fixed=2e-3)
 
@@ -17,8 +17,8 @@ def _v(tid, remaining, tokens=16, rows=1, arrival=0.0, deadline=None, key=None):
 
 
 def test_policy_modules_import_no_torch():
-    code = ("import sys; import batchgen.diffusion.policy, batchgen.diffusion.cost, batchgen.diffusion.plan, "
-            "batchgen.diffusion.steal; assert 'torch' not in sys.modules")
+    code = ("import sys; import batchgen.policy.diffusion_step, batchgen.policy.diffusion_cost, batchgen.policy.diffusion_plan, "
+            "batchgen.policy.diffusion_steal; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -72,19 +72,19 @@ BIG, SMALL = ((4, 16, 16),), ((4, 8, 8),)
 
 
 def _placed(tid, group, remaining=10, tokens=64, key=BIG, rows=1):
-    from batchgen.diffusion.plan import Placed
+    from batchgen.policy.diffusion_plan import Placed
 
     return Placed(TrajView(tid, key, tokens, rows, remaining, float(tid)), tuple(group))
 
 
 def _state(running=(), waiting=(), ranks=(0, 1), degrees=(1, 2)):
-    from batchgen.diffusion.plan import ClusterState
+    from batchgen.policy.diffusion_plan import ClusterState
 
     return ClusterState(tuple(ranks), tuple(running), tuple(waiting), 0.0, tuple(degrees))
 
 
 def test_plan_spreads_a_large_image_over_an_idle_worker_and_not_over_a_busy_one():
-    from batchgen.diffusion.plan import plan_round
+    from batchgen.policy.diffusion_plan import plan_round
 
     alone = plan_round(_state([_placed(0, [0])]), "fcfs", SP_COST)
     assert alone.groups == {0: (0, 1)} and alone.est_round_s == pytest.approx(0.052)
@@ -98,7 +98,7 @@ def test_plan_spreads_a_large_image_over_an_idle_worker_and_not_over_a_busy_one(
 
 
 def test_plan_keeps_degree_1_where_the_all_to_all_costs_more_than_it_saves():
-    from batchgen.diffusion.plan import plan_round
+    from batchgen.policy.diffusion_plan import plan_round
 
     slow_comm = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=2e-3, comm_fixed=0.0)
     assert slow_comm.step_time(64, 64, 2) > slow_comm.step_time(64, 64, 1)
@@ -108,7 +108,7 @@ def test_plan_keeps_degree_1_where_the_all_to_all_costs_more_than_it_saves():
 
 
 def test_plan_admits_in_policy_order_onto_the_shorter_round_within_slots():
-    from batchgen.diffusion.plan import ElasticOptions, plan_round
+    from batchgen.policy.diffusion_plan import ElasticOptions, plan_round
 
     waiting = [_v(5, 40, tokens=16, key=SMALL), _v(6, 2, tokens=16, key=SMALL), _v(7, 9, tokens=64, key=BIG)]
     plan = plan_round(_state([_placed(0, [0])], waiting), "srwf", SP_COST, ElasticOptions(max_running=2))
@@ -122,7 +122,7 @@ def test_plan_admits_in_policy_order_onto_the_shorter_round_within_slots():
 
 
 def test_plan_migrates_to_balance_and_orders_forwards_alike_for_every_member():
-    from batchgen.diffusion.plan import ElasticOptions, Forward, plan_round
+    from batchgen.policy.diffusion_plan import ElasticOptions, Forward, plan_round
 
     running = [_placed(i, [0], tokens=16, key=SMALL) for i in range(4)]
     plan = plan_round(_state(running), "fcfs", SP_COST)
@@ -163,7 +163,7 @@ def test_fit_comm_recovers_the_degree_terms_over_a_degree_1_fit():
 
 
 def test_measured_ratios_correct_the_cost_model_in_the_plan():
-    from batchgen.diffusion.plan import Measured, plan_round
+    from batchgen.policy.diffusion_plan import Measured, plan_round
 
     m = Measured(alpha=0.5)
     # big forwards on rank 0 took 4x the model; small ones on rank 1 as modelled
@@ -176,7 +176,7 @@ def test_measured_ratios_correct_the_cost_model_in_the_plan():
     # every degree-1 forward measured 3x the model: a large image's unmeasured degree 2 is not
     # taken at the model's word (52 ms against 192 ms) but at 3x too, and it stays at degree 1
     # on a cost model where degree 2 wins by less than that
-    from batchgen.diffusion.plan import ClusterState
+    from batchgen.policy.diffusion_plan import ClusterState
     near = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.02)
     state = ClusterState((0, 1), (_placed(0, [0]), _placed(1, [1], tokens=16, key=SMALL)), (), 0.0, (1, 2),
                          {(BIG, 1): 3.0, (SMALL, 1): 3.0})
@@ -200,7 +200,7 @@ def test_measured_ratios_correct_the_cost_model_in_the_plan():
 
 # ---- steal.py: dealing, handing over, whether a synchronised group pays (pure) -----------------
 def test_deal_balances_the_estimate_and_keeps_priority_order():
-    from batchgen.diffusion.steal import deal, worker_time
+    from batchgen.policy.diffusion_steal import deal, worker_time
 
     views = [_v(i, steps, tokens=tok, key=key) for i, (steps, tok, key) in
              enumerate([(40, 64, BIG), (10, 16, SMALL), (30, 64, BIG), (20, 16, SMALL), (5, 16, SMALL)])]
@@ -221,7 +221,7 @@ def test_deal_balances_the_estimate_and_keeps_priority_order():
 
 
 def test_handover_moves_what_shortens_the_longer_worker():
-    from batchgen.diffusion.steal import handover, worker_time
+    from batchgen.policy.diffusion_steal import handover, worker_time
 
     # two large ones of 30 steps on one worker: one moves; a third with one step left stays
     assert handover([_v(0, 30, tokens=64), _v(1, 30, tokens=64), _v(2, 0, tokens=64)], SP_COST) == (0,)
@@ -243,7 +243,7 @@ def test_handover_moves_what_shortens_the_longer_worker():
 
 
 def test_spread_plan_only_when_a_round_over_both_is_shorter():
-    from batchgen.diffusion.steal import spread_plan
+    from batchgen.policy.diffusion_steal import spread_plan
 
     plan = spread_plan(1, 0, [_v(4, 20, tokens=64, key=BIG)], 0.0, (1, 2), "fcfs", SP_COST)
     assert plan is not None and plan.groups == {4: (1, 0)}  # the holder first
@@ -257,7 +257,7 @@ def test_spread_plan_only_when_a_round_over_both_is_shorter():
 
 def test_forwards_past_the_efficient_batch_are_split_and_priced_so():
     from batchgen.diffusion.calibrate import fit_cap
-    from batchgen.diffusion.policy import split_forward
+    from batchgen.policy.diffusion_step import split_forward
 
     capped = CostModel(fixed=1e-3, per_token=1e-5, per_attn=0.0, max_batch_tokens=256)
     # 5 guided 64-token trajectories = 640 tokens -> 3 forwards, pairs of rows kept together
@@ -275,8 +275,8 @@ def test_forwards_past_the_efficient_batch_are_split_and_priced_so():
 
 
 def test_packed_forwards_pay_one_fixed_cost_per_worker_step():
-    from batchgen.diffusion.plan import ClusterState, Placed, plan_round
-    from batchgen.diffusion.policy import pack_forwards
+    from batchgen.policy.diffusion_plan import ClusterState, Placed, plan_round
+    from batchgen.policy.diffusion_step import pack_forwards
 
     small, big = [_v(0, 5), _v(1, 5)], [_v(2, 5, tokens=64, key=BIG)]
     # one worker's step: both shapes in one forward, one fixed cost

@@ -129,8 +129,8 @@ def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, clus
     small ones queued, then spreads over both workers once they are done; images equal degree 1.
     The cost model is taken as given (adapt=False): measured times would replace it."""
     from batchgen.diffusion.cluster import run_on_cluster
-    from batchgen.diffusion.cost import CostModel
-    from batchgen.diffusion.plan import ElasticOptions
+    from batchgen.policy.diffusion_cost import CostModel
+    from batchgen.policy.diffusion_plan import ElasticOptions
 
     client, _ = cluster
     path = str(pipes["dit"])
@@ -190,7 +190,7 @@ def test_idle_worker_is_handed_a_trajectory_and_its_image_is_unchanged(pipes, cl
     trajectories and hands it one at a step boundary (degree 1, no gloo): the migrated image
     equals the single engine's."""
     from batchgen.diffusion.cluster import run_on_cluster
-    from batchgen.diffusion.cost import CostModel
+    from batchgen.policy.diffusion_cost import CostModel
 
     client, _ = cluster
     path = str(pipes["dit"])

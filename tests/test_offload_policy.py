@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from batchgen.offload.policy import BudgetError, RoutingStats, layers_ahead, next_moe_layer, pick_victims, plan_tiers
+from batchgen.policy.expert_eviction import BudgetError, RoutingStats, layers_ahead, next_moe_layer, pick_victims, plan_tiers
 
 E_BYTES, TOTAL, WIDEST = 100, 24, 8  # 3 MoE layers of 8 experts, 100 bytes each
 
@@ -77,12 +77,12 @@ def test_routing_statistics_predict_what_a_layer_needs() -> None:
 
 
 def test_the_policy_module_imports_no_torch() -> None:
-    code = "import sys, batchgen.offload.policy; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, batchgen.policy.expert_eviction; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_auto_prefetch_reads_ahead_only_on_cuda() -> None:
-    from batchgen.offload.policy import resolve_predictor
+    from batchgen.policy.expert_eviction import resolve_predictor
 
     assert resolve_predictor("auto", "cuda") == "router" and resolve_predictor("auto", "cpu") == "none"
     assert resolve_predictor("history", "cpu") == "history"

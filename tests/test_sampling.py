@@ -9,15 +9,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from batchgen.sampling import (
-    SamplingParams,
-    apply_penalties,
-    apply_top_k_top_p,
-    find_stop_span,
-    find_stop_string,
-    sample,
-    step_seed,
-)
+from batchgen.sampler import apply_penalties, apply_top_k_top_p, sample, step_seed
+from batchgen.sampling_params import SamplingParams, find_stop_span, find_stop_string
 
 EOS = 0
 

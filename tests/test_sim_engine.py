@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import batchgen.cluster.balance as balance
+import batchgen.policy.balance as balance
 import batchgen.runtime.policy as policy
-from batchgen.cluster.balance import CoroutineInfo, reported_movable
+from batchgen.policy.balance import CoroutineInfo, reported_movable
 from batchgen.sim import cluster as sim_cluster
 from batchgen.sim import engine as sim_engine
 from batchgen.sim.cost import build_cost

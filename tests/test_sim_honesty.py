@@ -16,7 +16,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import batchgen.cluster as bc
-from batchgen.cluster.balance import BalanceConfig
+from batchgen.policy.balance import BalanceConfig
 from batchgen.demo import build_demo_model, tokenizer_vocab_size
 from batchgen.sim.calibrate import calibrate
 from batchgen.sim.cluster import ClusterSimConfig, simulate

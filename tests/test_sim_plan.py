@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import batchgen.cluster.balance as balance
+import batchgen.policy.balance as balance
 from batchgen.cli import main
 from batchgen.errors import PlanError
 from batchgen.sim import cluster as sim_cluster

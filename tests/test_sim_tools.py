@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from batchgen.cli import main
-from batchgen.cluster.speed import SPEED_DECAY, SpeedMeter
+from batchgen.policy.speed import SPEED_DECAY, SpeedMeter
 from batchgen.sim.chart import utilization_grid
 from batchgen.sim.profiles import FittedProfile, load_profile
 

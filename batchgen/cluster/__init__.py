@@ -7,7 +7,7 @@
 Modules: generate (the partition function), frame (pandas in/out, meta calls), spec (engine
 key), runner (an engine and its loop thread), engines (a host's runners), job (rows a task waits
 for), host (jobs, migration), worker (worker extension, RPC handlers, load push), plugin (scheduler plugin),
-balance (pure policy), client (connect / disconnect / release), dataframe, monitor (metrics, progress).
+client (connect / disconnect / release), dataframe, monitor (metrics, progress).
 `generate` is bound eagerly (its module shares its name, and it imports nothing heavy); the
 other names load on first use, so `import batchgen` does not import distributed.
 """
@@ -23,7 +23,8 @@ _EXPORTS = {
     "local_cluster": "client", "release": "client",
     "generate_dataframe": "dataframe",
     "metrics": "monitor", "progress": "monitor",
-    "BalanceConfig": "balance", "Migration": "balance", "EngineLoad": "balance", "plan_migrations": "balance",
+    "BalanceConfig": "..policy.balance", "Migration": "..policy.balance", "EngineLoad": "..policy.balance",
+    "plan_migrations": "..policy.balance",
     "BalancePlugin": "plugin", "BatchgenWorkerPlugin": "worker",
 }
 
@@ -34,4 +35,4 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'batchgen.cluster' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+    return getattr(importlib.import_module(module if module.startswith(".") else f".{module}", __name__), name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from .balance import BalanceConfig
+from ..policy.balance import BalanceConfig
 from .plugin import PLUGIN_NAME, BalancePlugin
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import BatchgenError
 from ..outputs import RequestOutput
-from .balance import Migration
+from ..policy.balance import Migration
 from .engines import EngineSet
 from .job import PartitionJob
 from . import messages

@@ -18,7 +18,7 @@ from distributed import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from . import prometheus
-from .balance import BalanceConfig, CoroutineInfo, EngineLoad, Migration, plan_migrations
+from ..policy.balance import BalanceConfig, CoroutineInfo, EngineLoad, Migration, plan_migrations
 from .worker import WORKER_PLUGIN, BatchgenWorkerPlugin
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .balance import MAX_REPORTED, CoroutineInfo, reported_movable_rows
+from ..policy.balance import MAX_REPORTED, CoroutineInfo, reported_movable_rows
 from .spec import EngineSpec
-from .speed import SpeedMeter, at_capacity
+from ..policy.speed import SpeedMeter, at_capacity
 
 if TYPE_CHECKING:
     from ..engine.protocol import CoroutineEngine, CoroutineOutput

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import WorkerPlugin
 
-from .balance import Migration
+from ..policy.balance import Migration
 from .host import Host
 from .spec import EngineSpec
 

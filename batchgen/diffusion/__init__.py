@@ -13,8 +13,8 @@ _EXPORTS = {
     "DiffusionEngine": "batchgen.diffusion.engine",
     "ImageOutput": "batchgen.diffusion.engine",
     "ImageRequest": "batchgen.diffusion.request",
-    "CostModel": "batchgen.diffusion.cost",
-    "ElasticOptions": "batchgen.diffusion.plan",
+    "CostModel": "batchgen.policy.diffusion_cost",
+    "ElasticOptions": "batchgen.policy.diffusion_plan",
     "run_on_cluster": "batchgen.diffusion.cluster",
     "diffuse": "batchgen.diffusion.frame",
 }

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cost import CostModel
+from ..policy.diffusion_cost import CostModel
 
 
 def time_forward(pipe, rows: int, latent: int, repeats: int = 3, sp=None, warm: bool = True) -> float:  # noqa: ANN001

@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from .cluster_elastic import elastic_loop, request_view
-from .cost import CostModel
+from ..policy.diffusion_cost import CostModel
 from .output import ImageResult
-from .plan import ElasticOptions
-from .policy import check_policy
+from ..policy.diffusion_plan import ElasticOptions
+from ..policy.diffusion_step import check_policy
 from .request import ImageRequest
-from .steal import deal
+from ..policy.diffusion_steal import deal
 
 
 def run_on_cluster(client: Any, model: str, requests: Sequence[ImageRequest], *, policy: str = "srwf",

@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cost import CostModel
+from ..policy.diffusion_cost import CostModel
 from .output import ImageResult, png_bytes
-from .plan import ElasticOptions, Measured
-from .policy import TrajView, pack_forwards, plan_step
+from ..policy.diffusion_plan import ElasticOptions, Measured
+from ..policy.diffusion_step import TrajView, pack_forwards, plan_step
 from .request import ImageRequest
 
 _RECENT = 32   # forward samples a worker keeps for the cost model's correction
@@ -218,7 +218,7 @@ def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int]
     from distributed import Queue, get_worker, secede
 
     from .engine_spec import process_engine
-    from .steal import handover, spread_plan
+    from ..policy.diffusion_steal import handover, spread_plan
 
     secede()
     # the loop plans its own steps (plan_step with this job's policy and cost): the worker's

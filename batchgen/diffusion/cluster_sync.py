@@ -31,8 +31,8 @@ import pickle
 import time
 from typing import Any
 
-from .plan import ClusterState, Measured, Placed, plan_round
-from .policy import pack_forwards, split_forward
+from ..policy.diffusion_plan import ClusterState, Measured, Placed, plan_round
+from ..policy.diffusion_step import pack_forwards, split_forward
 
 
 def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:

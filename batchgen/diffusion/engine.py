@@ -23,12 +23,12 @@ from . import schedulers
 from ..engine.protocol import LoadReport
 from .admission import IMAGE_TOKENS_OVER_NATIVE, request_error
 from .condition import encode_prompts
-from .cost import CostModel
+from ..policy.diffusion_cost import CostModel
 from .decode import decode, to_pil
 from .denoise import Live, step_group, step_groups
 from .output import ImageOutput
 from .pipeline import load_pipeline
-from .policy import TrajView, check_policy, pack_forwards, plan_step
+from ..policy.diffusion_step import TrajView, check_policy, pack_forwards, plan_step
 from .request import ImageRequest
 from .trajectory import Status, Trajectory, from_bytes, to_bytes
 

@@ -11,7 +11,7 @@ from ..config import EngineConfig
 def device_class(device: torch.device, dtype: torch.dtype, config: EngineConfig) -> str:
     """What sets an engine's pace besides the rows it runs: the device model, the dtype, CPU
     threads, and where experts and KV live. The balancer counts engines of one class as equally
-    fast (cluster/balance.py relative_speeds)."""
+    fast (policy/balance.py relative_speeds)."""
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     else:

@@ -1,6 +1,6 @@
 """batchgen.moa: multi-model jobs and Mixture-of-Agents (MOSAIC).
 
-Modules: placement (pure: models and rows onto workers), and the names below load on first use
+Placement (models and rows onto workers) is a pure policy (batchgen/policy/placement.py); the names below load on first use
 so `import batchgen.moa` stays torch- and Dask-free.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .placement import POLICIES, Demand, ModelCost, Placement, PlacementError, WorkerSlot, place
+from ..policy.placement import POLICIES, Demand, ModelCost, Placement, PlacementError, WorkerSlot, place
 
 _EXPORTS: dict[str, str] = {"MoA": "mixture", "MoAStats": "mixture", "ModelPool": "pool", "Item": "pool",
                             "vote": "agreement", "make_extract": "agreement"}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BatchgenError
-from .placement import Placement, Policy
+from ..policy.placement import Placement, Policy
 from .pool import Item, ModelPool
 
 if TYPE_CHECKING:

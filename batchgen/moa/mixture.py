@@ -26,7 +26,7 @@ from ..errors import BatchgenError
 from ..io.cells import is_na
 from ..sampling_params import SamplingParams
 from .agreement import Extract, make_extract, vote
-from .placement import POLICIES, ModelCost, Placement, Policy
+from ..policy.placement import POLICIES, ModelCost, Placement, Policy
 from .pool import Item, ModelPool
 
 if TYPE_CHECKING:

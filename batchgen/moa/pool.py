@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import BatchgenError
 from ..outputs import RequestOutput
-from .placement import Demand, ModelCost, Placement, Policy, WorkerSlot, place
+from ..policy.placement import Demand, ModelCost, Placement, Policy, WorkerSlot, place
 
 if TYPE_CHECKING:
     from distributed import Client

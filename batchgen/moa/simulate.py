@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .placement import Demand, ModelCost, Placement, PlacementError, Policy, WorkerSlot, place
+from ..policy.placement import Demand, ModelCost, Placement, PlacementError, Policy, WorkerSlot, place
 
 
 @dataclass(frozen=True, slots=True)

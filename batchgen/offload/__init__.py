@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from .policy import TierPlan
+    from ..policy.expert_eviction import TierPlan
     from .state import HostExperts, StoreOptions
     from .store import ExpertStore, RouterPredict
 
@@ -23,7 +23,7 @@ _LAZY = {"ExpertStore": ".store", "HostExperts": ".state", "StoreOptions": ".sta
 
 
 def __getattr__(name: str) -> Any:
-    """Classes load on first use: `import batchgen.offload.policy` must not import torch."""
+    """Classes load on first use: `import batchgen.policy.expert_eviction` must not import torch."""
     if name in _LAZY:
         import importlib
 
@@ -37,7 +37,7 @@ def expert_tier_plan(num_experts: dict[int, int], w13_shape: tuple[int, int], w2
     """The tiers the budgets give this model (None: every expert resident); a budget below one
     MoE layer's experts fails with ModelLoadError naming the minimum."""
     from ..errors import ModelLoadError
-    from .policy import BudgetError, plan_tiers
+    from ..policy.expert_eviction import BudgetError, plan_tiers
 
     if not num_experts or (device_budget is None and host_budget is None):
         return None

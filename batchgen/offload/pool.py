@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .policy import RoutingStats, pick_victims
+from ..policy.expert_eviction import RoutingStats, pick_victims
 
 Key = tuple[int, int]  # (MoE layer, expert)
 

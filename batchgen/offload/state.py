@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .policy import EVICTIONS, PREDICTORS, TierPlan
+from ..policy.expert_eviction import EVICTIONS, PREDICTORS, TierPlan
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ on a side stream. Which experts: the next layer's recent routing (`history`), or
 early on this stage's hidden state (`router`). A fetch that finds its expert still in flight
 waits for it; that wait is the time reported as `expert_fetch_wait_s`.
 
-Eviction (offload/policy.py) weighs how likely an expert is needed again against how soon its
+Eviction (policy/expert_eviction.py) weighs how likely an expert is needed again against how soon its
 layer runs; it never evicts what the current stage needs or a slot a read is filling.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from .disk import DiskExperts, ExpertReadError
-from .policy import RoutingStats, TierPlan, next_moe_layer, resolve_predictor
+from ..policy.expert_eviction import RoutingStats, TierPlan, next_moe_layer, resolve_predictor
 from .pool import Key, Pending, SlotPool
 from .state import HostExperts, StoreOptions, StoreStats
 

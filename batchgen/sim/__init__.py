@@ -4,7 +4,7 @@
     report = plan(rows=100_000, workers=128, profile="H200", model="qwen3-30b-a3b")
 
 The engines call runtime/policy.py (Scheduler.schedule, eviction, prefer_transfer) and the
-cluster calls cluster/balance.py (plan_migrations) on simulated state; a cost model (cost.py)
+cluster calls policy/balance.py (plan_migrations) on simulated state; a cost model (cost.py)
 built from a GPU profile and a model's config.json, or fitted on this machine (calibrate.py),
 turns each forward into seconds. Nothing here imports torch or Dask, except calibrate.py, which
 runs the real engine. Every figure it prints is simulated.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cluster.balance import EngineLoad, Migration, plan_migrations
+from ..policy.balance import EngineLoad, Migration, plan_migrations
 from ..errors import PlanError
 from .cost import CostModel
 from .engine import Arrival, EngineSimConfig, SimEngine

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cluster.balance import MAX_REPORTED, CoroutineInfo, EngineLoad, reported_movable
-from ..cluster.speed import SpeedMeter
+from ..policy.balance import MAX_REPORTED, CoroutineInfo, EngineLoad, reported_movable
+from ..policy.speed import SpeedMeter
 from ..errors import PlanError
 from ..runtime.policy import Eviction, Plan, Scheduler, SchedulerConfig, prefer_transfer
 from ..runtime.sequence import SeqId, SeqStatus, Sequence

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cluster.balance import CoroutineInfo, EngineLoad, Migration
+from ..policy.balance import CoroutineInfo, EngineLoad, Migration
 from ..errors import PlanError
 from .cost import CostModel
 from .engine import Arrival, EngineSimConfig

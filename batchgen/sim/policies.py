@@ -5,14 +5,14 @@
 - Dynamic:  a shared queue of small batches; a worker whose queue has drained pulls the next
             one. Nothing moves once placed (no migration).
 - BatchGen: the rows are dealt as Static (one partition per worker), then every tick the real
-            `plan_migrations` (cluster/balance.py) reads each engine's load and orders splits of
+            `plan_migrations` (policy/balance.py) reads each engine's load and orders splits of
             not-started coroutines and migrations of running ones, as the Dask plugin does.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cluster.balance import BalanceConfig
+from ..policy.balance import BalanceConfig
 from ..errors import PlanError
 
 

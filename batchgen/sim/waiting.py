@@ -5,7 +5,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from itertools import islice
 
-from ..cluster.balance import CoroutineInfo
+from ..policy.balance import CoroutineInfo
 from ..runtime.sequence import Sequence
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .cost import CostModel
-from .plan import ClusterState, ElasticOptions, Placed, RoundPlan, plan_round
-from .policy import TrajView, priority
+from .diffusion_cost import CostModel
+from .diffusion_plan import ClusterState, ElasticOptions, Placed, RoundPlan, plan_round
+from .diffusion_step import TrajView, priority
 
 
 def worker_time(views: Sequence[TrajView], cost: CostModel, scale: dict[tuple, float] | None = None,

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .cost import CostModel
-from .policy import TrajView, check_policy, priority
+from .diffusion_cost import CostModel
+from .diffusion_step import TrajView, check_policy, priority
 
 
 @dataclass(frozen=True, slots=True)

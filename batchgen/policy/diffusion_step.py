@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cost import CostModel
+from .diffusion_cost import CostModel
 
 POLICIES = ("fcfs", "srwf", "deadline")
 
