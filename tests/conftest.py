@@ -8,8 +8,13 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+# tests/<wing>/ import the tiny-model builders by name (`import tiny_models`); Dask worker
+# processes inherit this path when they unpickle a test's function
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -23,7 +23,7 @@ from batchgen.sim.profiles import BUILTIN_PROFILES, GpuProfile, load_profile
 from batchgen.sim.shapes import BUILTIN_MODELS, load_shape
 from batchgen.sim.workload import load_lengths, synthetic
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from batchgen.cli import main
 from batchgen.demo import build_demo_model
 from batchgen.io.openai_batch import record_error, record_key
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY: dict[str, Any] = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                             num_experts=4, top_k=2, intermediate_size=64, vocab_size=320,
                             max_position_embeddings=128, dtype="float32")

@@ -129,7 +129,7 @@ def test_bench_sim_million_honours_rows(monkeypatch: pytest.MonkeyPatch) -> None
     """--rows 100000 with --million meant 1M rows (100,000 was the default's sentinel)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sim.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sim.py"
     spec = importlib.util.spec_from_file_location("bench_sim", path)
     bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(bench)  # type: ignore[union-attr]

@@ -26,7 +26,7 @@ def moved_tokens(orders: list[Migration]) -> int:
 
 
 def test_module_is_pure() -> None:
-    tree = ast.parse(Path(__file__).parents[1].joinpath("batchgen/policy/balance.py").read_text())
+    tree = ast.parse(Path(__file__).parents[2].joinpath("batchgen/policy/balance.py").read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}

@@ -21,6 +21,9 @@ from batchgen.cluster.worker import EXTENSION
 from batchgen.moa import MoA
 from batchgen.moa.pinning import pinned
 
+pytestmark = pytest.mark.slow  # a real LocalCluster of worker processes
+
+
 OPTIONS = {"kv_cache_bytes": 16 << 20}
 TEXTS = ["The quick brown fox", "def f(x):", "a", "Hello, world!", "x = 1\ny = 2", "import os", "# note", "if",
          "class A:", "return None", "for i in", "while True"]

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import dask.dataframe as dd
 import pandas as pd
+import pytest
 from distributed import Client, LocalCluster
 
 import batchgen
 import batchgen.cluster as bc
+
+pytestmark = pytest.mark.slow  # a real LocalCluster of worker processes
+
 
 SAMPLE = re.compile(r"^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
 

@@ -13,6 +13,9 @@ import tiny_diffusion as tiny  # noqa: E402
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
 
 
+pytestmark = pytest.mark.slow  # a real LocalCluster of worker processes
+
+
 def _forbid_new_group() -> None:
     """After start-up no process may create a communicator: new_group raises from now on."""
     import torch.distributed as dist

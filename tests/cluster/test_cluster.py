@@ -26,6 +26,9 @@ from batchgen.cluster.frame import OUTPUT_COLUMNS
 from batchgen.cluster.plugin import PLUGIN_NAME, SCHEDULER_HANDLERS
 from batchgen.cluster.worker import EXTENSION, HANDLERS, WORKER_PLUGIN
 
+pytestmark = pytest.mark.slow  # a real LocalCluster of worker processes
+
+
 OPTIONS = {"kv_cache_bytes": 16 << 20}
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 TEXTS = ["The quick brown fox", "def f(x):", "a", "Hello, world!", "x = 1\ny = 2", "import os", "# note", "if"]
