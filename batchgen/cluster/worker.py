@@ -32,6 +32,7 @@ from distributed import WorkerPlugin
 
 from ..policy.balance import Migration
 from .host import Host
+from .mailbox import Mailboxes
 from .spec import EngineSpec
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 EXTENSION = "batchgen"
 WORKER_PLUGIN = "batchgen-worker"
 HANDLERS = ("batchgen_adopt", "batchgen_result", "batchgen_bounce", "batchgen_progress", "batchgen_forward",
-            "batchgen_cancel")
+            "batchgen_cancel", "batchgen_mail")
 _create_lock = threading.Lock()
 
 
@@ -74,7 +75,9 @@ class WorkerSide:
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.host = Host(WorkerTransport(worker))
+        self.transport = WorkerTransport(worker)
+        self.host = Host(self.transport)
+        self.mailboxes = Mailboxes()
         self.epoch = -1
         self.live: set[str] | None = None
         self._pusher: asyncio.Task[None] | None = None
@@ -83,7 +86,8 @@ class WorkerSide:
     def install(self) -> None:
         self.worker.handlers.update({"batchgen_adopt": self.adopt, "batchgen_result": self.result,
                                      "batchgen_bounce": self.bounce, "batchgen_progress": self.progress,
-                                     "batchgen_forward": self.forward, "batchgen_cancel": self.cancel})
+                                     "batchgen_forward": self.forward, "batchgen_cancel": self.cancel,
+                                     "batchgen_mail": self.mail})
         self.worker.extensions[EXTENSION] = self
 
     # -- RPC handlers -----------------------------------------------------------------------------
@@ -119,6 +123,18 @@ class WorkerSide:
     def cancel(self, owner: str, job_id: str, rows: list[int]) -> None:
         """The task of `owner` that owned `job_id` ended: drop its coroutines held here."""
         self.host.receive_cancel(owner, str(job_id), [int(r) for r in rows])
+
+    def mail(self, box: str, msg: Any) -> None:
+        """A message for a job's part running here (mailbox.py)."""
+        self.mailboxes.put(box, msg)
+
+    def send_mail(self, address: str, box: str, msg: Any) -> None:
+        """Any thread: `msg` into `box` on the worker at `address` (this one: no RPC). A peer that
+        left is logged; the job's own protocol notices the silence."""
+        if address == self.worker.address:
+            self.mailboxes.put(box, msg)
+        else:
+            self.transport.send(address, "batchgen_mail", {"box": box, "msg": msg})
 
     # -- talking to the scheduler plugin ----------------------------------------------------------
     def start_pushing(self, interval: float) -> None:
