@@ -59,13 +59,17 @@ def static_batch(model: str, reqs: list[Any]) -> float:
     """One static batch, as a request-level batcher runs it (one pipeline call per size and
     guidance mode; every row in the forward until the sub-batch's longest trajectory ends, then
     one VAE decode); -> its end time. The forwards and decodes are real; the images are not kept."""
+    from batchgen.diffusion.on_worker import on_engine
+
+    return on_engine(model, {}, lambda engine: _static_on(engine.pipe, reqs))
+
+
+def _static_on(pipe: Any, reqs: list[Any]) -> float:
     import torch
 
     from batchgen.diffusion.decode import decode
     from batchgen.diffusion.forward import predict
-    from batchgen.diffusion.engine_spec import process_engine
 
-    pipe = process_engine(model, {}).pipe
     subs: dict[tuple, list[Any]] = {}
     for r in reqs:
         subs.setdefault((r.height, r.width, r.uses_guidance), []).append(r)
@@ -82,11 +86,12 @@ def static_batch(model: str, reqs: list[Any]) -> float:
 
 
 def warm(model: str) -> bool:
+    """A Dask task: this worker's engine for the model loaded and run once."""
     from batchgen.diffusion import ImageRequest
-    from batchgen.diffusion.engine_spec import process_engine
+    from batchgen.diffusion.on_worker import on_engine
 
-    eng = process_engine(model, {})
-    eng.generate([ImageRequest(class_label=0, num_inference_steps=2, height=16, width=16)])
+    on_engine(model, {}, lambda engine: engine.generate([ImageRequest(class_label=0, num_inference_steps=2,
+                                                                      height=16, width=16)]))
     return True
 
 
@@ -127,7 +132,7 @@ def run_static(client: Any, model: str, reqs: list[Any], batch: int) -> tuple[fl
 
 def run_batchgen(client: Any, model: str, reqs: list[Any], policy: str, deadlines: list[float], cost: Any,
                  max_running: int, elastic: bool) -> tuple[float, list[float], int, int, float]:
-    from batchgen.diffusion.cluster import run_on_cluster
+    from batchgen.diffusion.elastic import run_on_cluster
 
     start = time.time()
     abs_deadlines = [start + d for d in deadlines]
@@ -171,7 +176,8 @@ def main() -> int:
     reqs = make_job(args.requests, seed=0)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                       env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as cluster, Client(cluster) as client:
-        client.run(warm, model)
+        client.gather([client.submit(warm, model, workers=[w], pure=False)
+                       for w in client.scheduler_info()["workers"]])
         cost = calibrate_cluster(client, model, rows=(1, 4, 8, 12, 16), latents=(8, 24), repeats=5)
         if args.no_pack:
             cost = replace(cost, packed=False)

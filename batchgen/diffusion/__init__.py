@@ -15,7 +15,7 @@ _EXPORTS = {
     "ImageRequest": "batchgen.diffusion.request",
     "CostModel": "batchgen.policy.diffusion_cost",
     "ElasticOptions": "batchgen.policy.diffusion_plan",
-    "run_on_cluster": "batchgen.diffusion.cluster",
+    "run_on_cluster": "batchgen.diffusion.elastic",
     "diffuse": "batchgen.diffusion.frame",
 }
 __all__ = sorted(_EXPORTS)

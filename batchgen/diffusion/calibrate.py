@@ -119,14 +119,24 @@ def calibrate(pipe, rows: Sequence[int] = (1, 2, 4, 8, 16), latents: Sequence[in
 
 def _time_on_worker(model: str, engine_options: dict, ranks: tuple[int, ...], rows: int, latent: int,
                     warm: bool, salt: str) -> float:
-    """A Dask task on each member of `ranks` (one member: degree 1, no collectives)."""
-    from .engine_spec import process_engine
+    """A Dask task on each member of `ranks` (one member: degree 1, no collectives), timed on
+    that worker's engine for the model."""
     from .groups import Group
+    from .on_worker import on_engine
     from .sp import UlyssesShard
 
-    pipe = process_engine(model, engine_options).pipe
     sp = UlyssesShard(Group.of(ranks, salt=salt)) if len(ranks) > 1 else None
-    return time_forward(pipe, rows, latent, 1, sp, warm)
+    return on_engine(model, engine_options, lambda engine: time_forward(engine.pipe, rows, latent, 1, sp, warm))
+
+
+def _shape_on_worker(model: str, engine_options: dict) -> tuple[int, tuple[int, ...]]:
+    """-> the pipeline's patch size and the degrees its heads allow (a Dask task)."""
+    from .elastic_loop import allowed_degrees
+    from .on_worker import on_engine
+    from .world import world_size
+
+    return on_engine(model, engine_options,
+                     lambda engine: (engine.pipe.patch_size, allowed_degrees(engine.pipe, world_size())))
 
 
 def calibrate_cluster(client, model: str, rows: Sequence[int] = (1, 4, 8, 16), latents: Sequence[int] = (8, 16, 24),  # noqa: ANN001
@@ -134,18 +144,15 @@ def calibrate_cluster(client, model: str, rows: Sequence[int] = (1, 4, 8, 16), l
                       engine_options: dict | None = None) -> CostModel:
     """The whole CostModel measured on the Dask workers of `client` (see the module docstring);
     degrees: those to time beyond 1 (default: every one up to the worker count that divides the
-    model's heads). The world is started if it is not (sp_cluster.world_ranks)."""
-    from .cluster_elastic import allowed_degrees
-    from .engine_spec import process_engine
-    from .sp_cluster import world_ranks
+    model's heads). The world is started if it is not (world.world_ranks)."""
+    from .world import world_ranks
 
     opts = dict(engine_options or {})
     ranks = world_ranks(client)
     by_rank = sorted(ranks, key=ranks.get)
-    pipe = process_engine(model, opts).pipe
-    p = pipe.patch_size
+    p, allowed = client.submit(_shape_on_worker, model, opts, workers=[by_rank[0]], pure=False).result()
     if degrees is None:
-        degrees = [d for d in allowed_degrees(pipe, len(by_rank)) if d > 1]
+        degrees = [d for d in allowed if d > 1]
     points = [(r, lat, d) for r in rows for lat in latents for d in (1, *degrees)]
     best: dict[tuple[int, int, int], float] = {}
     # repeats outermost: a burst of load from elsewhere hits every point once, not one point always

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -258,12 +258,19 @@ class DiffusionEngine:
         t.error = error
         t.move(Status.FAILED, error)
 
-    def collect(self) -> list[ImageOutput]:
+    def collect(self, only: Collection[int] | None = None) -> list[ImageOutput]:
         """Decode the trajectories that have taken all their steps (batched per shape) -> the
-        outputs finished since the last step or collect, failed admissions included."""
-        self._decode_finished()
-        out, self._done, self._others = self._others + self._done, [], []
-        return out
+        outputs finished since the last step or collect, failed admissions included.
+        only: just these trajectory ids (a caller driving its own trajectories on an engine that
+        also serves others: theirs stay for their own caller)."""
+        self._decode_finished(only)
+        out = self._others + self._done
+        if only is None:
+            self._done, self._others = [], []
+            return out
+        self._done = [o for o in self._done if o.index not in only]
+        self._others = [o for o in self._others if o.index not in only]
+        return [o for o in out if o.index in only]
 
     # ---- whole jobs -----------------------------------------------------------------------
     def stream(self, requests: Iterable[ImageRequest], max_in_flight: int = 256) -> Iterator[ImageOutput]:
@@ -381,10 +388,11 @@ class DiffusionEngine:
             self._live[t.tid] = Live(sched, gen, pipe.scheduler_class in schedulers.STOCHASTIC)
             t.move(Status.RUNNING, "admitted")
 
-    def _decode_finished(self) -> None:
-        for t in [t for t in self._trajs.values() if t.status is Status.FAILED]:
+    def _decode_finished(self, only: Collection[int] | None = None) -> None:
+        mine = [t for t in self._trajs.values() if only is None or t.tid in only]
+        for t in [t for t in mine if t.status is Status.FAILED]:
             self._finish(t, ImageOutput(index=t.tid, error=t.error))
-        ready = [t for t in self._trajs.values() if t.status is Status.DENOISED]
+        ready = [t for t in mine if t.status is Status.DENOISED]
         by_shape: dict[tuple[int, ...], list[Trajectory]] = {}
         for t in ready:
             by_shape.setdefault(t.latent_shape, []).append(t)

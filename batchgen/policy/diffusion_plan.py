@@ -1,6 +1,6 @@
 """One round of the cluster's elastic schedule: which trajectories are admitted where, which run
 in which groups of workers, at what sequence-parallel degree. Torch-free, state in, plan out;
-every worker of a job runs it on the same state and so reaches the same plan (cluster_elastic.py).
+every worker of a job runs it on the same state and so reaches the same plan (elastic_loop.py).
 
 A round advances every running trajectory by one step; its time is the slowest worker's sum of
 forwards (the cost model's step time of each forward it takes part in). The plan

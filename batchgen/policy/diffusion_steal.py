@@ -1,6 +1,6 @@
 """Which worker runs what: the job's requests dealt out at the start, and what a busy worker
 does for an idle one (hand it queued requests or trajectories, or form a synchronised group).
-Torch-free, state in, decision out (cluster.py and cluster_elastic.py act on it).
+Torch-free, state in, decision out (elastic.py and elastic_loop.py act on it).
 
 A worker's remaining time at degree 1 is estimated as its forwards run: one packed forward per
 step for all its trajectories when the cost model packs (cost.py), else one per latent shape
@@ -19,7 +19,7 @@ saves little. `handover` takes trajectories, most remaining work first, while th
 max(owner's T, thief's T) by more than `gain` of it.
 When nothing is worth handing over, `spread_plan` asks plan.plan_round whether a round over
 owner and thief (degree > 1 for some trajectory) is shorter than the owner's round alone: only
-then do the two enter lockstep rounds (cluster_sync.py).
+then do the two enter lockstep rounds (elastic_sync.py).
 """
 from __future__ import annotations
 

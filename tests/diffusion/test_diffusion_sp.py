@@ -39,7 +39,7 @@ def pipes(tmp_path_factory: pytest.TempPathFactory):
 def cluster():
     from distributed import Client, LocalCluster
 
-    from batchgen.diffusion.sp_cluster import start_world
+    from batchgen.diffusion.world import start_world
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c, Client(c) as client:
         ranks = start_world(client)
@@ -48,9 +48,10 @@ def cluster():
 
 
 def _warm(path: str) -> bool:
-    from batchgen.diffusion.engine_spec import process_engine
+    """A Dask task: this worker's engine for the pipeline, loaded."""
+    from batchgen.diffusion.on_worker import on_engine
 
-    return process_engine(path, {}) is not None
+    return on_engine(path, {}, lambda engine: engine.pipe is not None)
 
 
 def _finish(engine: DiffusionEngine, state: bytes) -> np.ndarray:
@@ -63,7 +64,7 @@ def _finish(engine: DiffusionEngine, state: bytes) -> np.ndarray:
 
 @pytest.mark.parametrize("family", ["dit", "pixart"])
 def test_degree_1_2_and_switch_mid_trajectory_equal_degree_1(pipes, cluster, family):
-    from batchgen.diffusion.sp_cluster import run_steps
+    from batchgen.diffusion.world import run_steps
 
     client, ranks = cluster
     a, b = sorted(ranks)
@@ -124,14 +125,16 @@ def test_diffuse_on_local_cluster(pipes, cluster, tmp_path):
         png = np.asarray(__import__("PIL.Image").Image.open(got["image_path"][i]))
         ref = engine.generate([ImageRequest(class_label=int(pdf.class_label[i]), num_inference_steps=int(pdf.num_inference_steps[i]),
                                             seed=int(pdf.seed[i]), guidance_scale=3.0)])[0]
-        assert np.array_equal(png, np.asarray(ref))
+        # rows 0 and 1 ran in one packed forward on the cluster, alone here: equal to 1e-5 in
+        # the latents, so to within one level of uint8
+        assert np.abs(png.astype(int) - np.asarray(ref).astype(int)).max() <= 1
 
 
 def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, cluster):
     """run_on_cluster's elastic loop: a large image runs at degree 1 while the other worker has
     small ones queued, then spreads over both workers once they are done; images equal degree 1.
     The cost model is taken as given (adapt=False): measured times would replace it."""
-    from batchgen.diffusion.cluster import run_on_cluster
+    from batchgen.diffusion.elastic import run_on_cluster
     from batchgen.policy.diffusion_cost import CostModel
     from batchgen.policy.diffusion_plan import ElasticOptions
 
@@ -142,7 +145,7 @@ def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, clus
     cost = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.02)
     # the loops run free until the other worker is idle: the large one has steps enough to outlast
     # the small ones (4 steps and 2 decodes on the other worker) many times over; engines warm
-    client.run(_warm, path)
+    client.gather([client.submit(_warm, path, workers=[w], pure=False) for w in client.scheduler_info()["workers"]])
     large = ImageRequest(class_label=3, height=32, width=32, num_inference_steps=64, guidance_scale=1.0, seed=7)
     small = [ImageRequest(class_label=i, height=16, width=16, num_inference_steps=2, guidance_scale=1.0 + i, seed=i)
              for i in range(2)]
@@ -192,12 +195,12 @@ def test_idle_worker_is_handed_a_trajectory_and_its_image_is_unchanged(pipes, cl
     """A worker whose only request fails at admission goes idle at once; the other holds two
     trajectories and hands it one at a step boundary (degree 1, no gloo): the migrated image
     equals the single engine's."""
-    from batchgen.diffusion.cluster import run_on_cluster
+    from batchgen.diffusion.elastic import run_on_cluster
     from batchgen.policy.diffusion_cost import CostModel
 
     client, _ = cluster
     path = str(pipes["dit"])
-    client.run(_warm, path)
+    client.gather([client.submit(_warm, path, workers=[w], pure=False) for w in client.scheduler_info()["workers"]])
     cost = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.0)
     # dealt longest first: the 40-step bad one to one worker, both 30-step ones to the other
     reqs = [ImageRequest(class_label=1, height=16, width=16, num_inference_steps=30, guidance_scale=2.0, seed=3),

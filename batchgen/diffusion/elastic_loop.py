@@ -1,30 +1,32 @@
-"""One worker's loop of an elastic job: free-running at degree 1, synchronised only when it pays.
+"""One worker's part of an elastic image job: free-running at degree 1, synchronised only when it pays.
 
-Every worker of the job runs `elastic_loop` (a Dask task pinned to it). Most of the time a loop
-runs free, as a single engine would: it admits the requests dealt to it (steal.deal; each once
-it has arrived) while it has room, takes one step of its trajectories (one packed forward for
-all latent shapes and timesteps where the pipeline packs, else one per shape), decodes and
-reports those that finish. No barrier, no exchange with the other workers per step.
+Every worker of the job runs `elastic_loop` on its image engine (the runtime's engine for that
+spec, as one command on its runner thread: on_worker.py), and the parts talk through the
+workers' mailboxes (cluster/mailbox.py: worker-to-worker messages, read locally, nothing through
+the scheduler). Most of the time a loop runs free, as a single engine would: it admits the
+requests dealt to it (policy.diffusion_steal.deal; each once it has arrived) while it has room,
+takes one step of its trajectories (one packed forward for all latent shapes and timesteps
+where the pipeline packs, else one per shape), decodes those that finish and tells the other
+parts how many finished. No barrier, no exchange with the other workers per step.
 
-A worker left with nothing to run or admit registers on the job's `steal` queue and waits on
-its inbox. A busy worker that finds it there (it looks at most every POLL_S) decides (steal.py,
-pure):
+A worker left with nothing to run or admit asks one other part for work and waits for its
+answer (then the next part, and after a whole turn of refusals it pauses POLL_S). A busy part
+reads its mailbox at every step boundary and answers an ask (policy.diffusion_steal, pure):
 
   - hand over the back half of its list of requests not yet admitted, if it has any;
   - else hand over trajectories: those whose move cuts max(own, thief's) remaining time; they
     are suspended at the step boundary and resumed by the thief, bit-identically;
-  - else, if the first round's plan over the two (plan.plan_round) runs some trajectory at degree
+  - else, if the first round's plan over the two (plan_round) runs some trajectory at degree
     > 1 (the cost model says its steps run faster spread than the busy worker's round alone),
-    send the thief a sync offer; both then run lockstep rounds (cluster_sync.py: all-gather of
+    answer with a sync offer; both then run lockstep rounds (elastic_sync.py: all-gather of
     their trajectories over a group-free Group of the two, the pure plan every step, Ulysses
     forwards) until the plan puts nothing over more than one worker, and run free again;
-  - else nothing: the thief goes back on the queue for the others, and this worker looks again
-    only once its own work changes.
+  - else no: and until its own work changes it answers every ask no without planning.
 
-A worker that registered keeps reading its inbox at every step boundary (it may have been given
-arrivals meanwhile): an offer is answered at once, so the offering worker waits at most a step.
-Only unregistered workers pop thieves, and one offer at a time, so no two groups wait on each other.
-The loops end when the driver has every result (its `done` queue).
+A thief has one ask out at a time and only the part it asked answers it, so an idle worker is
+offered to one busy worker at a time and no two groups wait on each other. A part ends when
+every request of the job has finished somewhere (the counts the parts send each other); it
+returns its statistics and its results.
 """
 from __future__ import annotations
 
@@ -40,10 +42,37 @@ from ..policy.diffusion_step import TrajView, pack_forwards, plan_step
 from .request import ImageRequest
 
 _RECENT = 32   # forward samples a worker keeps for the cost model's correction
-POLL_S = 0.05  # a busy worker looks at the steal queue / its inbox at most this often (each look
-               # is a round trip to the scheduler)
-IDLE_S = 0.025 # an idle worker's pause between looks at its inbox
-DONE_S = 0.1   # ... and between asking whether the job is done
+POLL_S = 0.05  # a thief that every other part refused waits this long before asking again
+IDLE_S = 0.025 # an idle part's longest wait for a message (then it looks at its arrivals again)
+
+
+def box_name(job: str, rank: int) -> str:
+    """The mailbox of rank `rank`'s part of `job`."""
+    return f"batchgen-diffusion:{job}:{rank}"
+
+
+@dataclass(frozen=True)
+class Post:
+    """A part's messages: to another rank's box on its worker, and from its own box."""
+
+    side: Any  # this worker's cluster.worker.WorkerSide
+    job: str
+    me: int
+    addresses: tuple[str, ...]  # worker address by rank
+
+    def send(self, rank: int, msg: tuple) -> None:
+        self.side.send_mail(self.addresses[rank], box_name(self.job, rank), msg)
+
+    def to_others(self, msg: tuple) -> None:
+        for rank in range(len(self.addresses)):
+            if rank != self.me:
+                self.send(rank, msg)
+
+    def take(self, timeout: float = 0.0) -> tuple | None:
+        return self.side.mailboxes.take(box_name(self.job, self.me), timeout)
+
+    def take_all(self) -> list[tuple]:
+        return self.side.mailboxes.take_all(box_name(self.job, self.me))
 
 
 def request_view(pipe: Any, index: int, req: ImageRequest, arrival: float, deadline: float | None) -> TrajView:
@@ -79,13 +108,15 @@ class Loop:
     cost: CostModel
     degrees: tuple[int, ...]
     keep_arrays: bool
-    out: Any
+    post: Post
     pending: list[int] = field(default_factory=list)
     start: float = 0.0
     held: dict[int, int] = field(default_factory=dict)
     history: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     samples: list[tuple[int, tuple, int, float, float]] = field(default_factory=list)
     measured: Measured = field(default_factory=Measured)
+    results: list[ImageResult] = field(default_factory=list)
+    finished_elsewhere: int = 0  # requests of the job the other parts finished (their counts)
     stats: dict[str, Any] = field(default_factory=lambda: {
         "steps": 0, "forwards": 0, "sp_forwards": 0, "migrated_in": 0, "migrated_out": 0, "requests_in": 0,
         "requests_out": 0, "offers": 0,
@@ -184,12 +215,12 @@ class Loop:
             self.measured.update(self.samples[-added:])
 
     def report(self) -> None:
-        """Decode the owned trajectories that are done (and admissions that failed) -> the out queue."""
-
+        """Decode the owned trajectories that are done (and admissions that failed) into
+        results, and tell the other parts how many finished."""
         began = time.perf_counter()
         index_of = {tid: index for index, tid in self.held.items()}
         results = []
-        for o in self.engine.collect():
+        for o in self.engine.collect(only=index_of):
             index = index_of[o.index]
             self.held.pop(index)
             steps = self.history.pop(index, [])
@@ -200,130 +231,166 @@ class Loop:
                                        self.address, moved, tuple(d for _, d in steps),
                                        o.array if self.keep_arrays else None))
         if results:
-            self.out.put(results)  # one round trip for all that finished together
+            self.results += results
+            self.post.to_others(("done", len(results)))
         self.stats["report_s"] += time.perf_counter() - began
+
+    def job_done(self) -> bool:
+        """Every request of the job has its result, here or on another part."""
+        return len(self.results) + self.finished_elsewhere >= len(self.requests) and not self.held
 
     def scale(self) -> tuple[dict[tuple, float], float]:
         return (dict(self.measured.scale), self.measured.overall) if self.options.adapt else ({}, 1.0)
 
 
-def elastic_loop(model: str, job: str, me: int, world: bool, mine: Sequence[int], requests: Sequence[ImageRequest],
+def elastic_loop(engine: Any, post: Post, world: bool, mine: Sequence[int], requests: Sequence[ImageRequest],
                  deadlines: Sequence[float | None], arrivals: Sequence[float], start: float, policy: str,
-                 options: ElasticOptions, cost: CostModel, engine_options: dict, keep_arrays: bool,
-                 workers: int) -> dict[str, Any]:
-    """One worker's part of a job (see the module docstring); me: its rank (the gloo world's
-    when `world`, else its place among the job's workers); mine: the request indices dealt to
-    it, in the order to admit them; start: the driver's time.time() at the start (arrivals
-    count from it); -> its statistics."""
-    from distributed import Queue, get_worker, secede
-
-    from .engine_spec import process_engine
-    from ..policy.diffusion_steal import handover, spread_plan
-
-    secede()
-    # the loop plans its own steps (plan_step with this job's policy and cost): the worker's
-    # engine for these options serves every job, warm after the first
-    engine = process_engine(model, engine_options)
+                 options: ElasticOptions, cost: CostModel, keep_arrays: bool) -> tuple[dict[str, Any], list[ImageResult]]:
+    """One part of a job (see the module docstring), on the engine's thread; post: its rank
+    (the gloo world's when `world`, else its place among the job's workers) and mailboxes;
+    mine: the request indices dealt to it, in the order to admit them; start: the driver's
+    time.time() at the start (arrivals count from it); -> its statistics and results."""
+    me = post.me
+    workers = len(post.addresses)
     degrees = allowed_degrees(engine.pipe, workers) if world else (1,)
     if options.max_degree is not None:
         degrees = tuple(d for d in degrees if d <= options.max_degree)
-    w = Loop(engine, me, get_worker().address, job, requests, deadlines, arrivals, policy, options, cost, degrees,
-             keep_arrays, Queue(f"bg-diff-out-{job}"), pending=list(mine), start=start)
-    done, steal, inbox = Queue(f"bg-diff-done-{job}"), Queue(f"bg-diff-steal-{job}"), Queue(f"bg-diff-inbox-{job}-{me}")
-    asked = False              # registered on `steal`, not yet answered
-    declined: tuple | None = None  # (owned set, queued count) at which no thief could be helped
-    looked = 0.0               # when this worker last looked at a queue (at most every POLL_S while busy)
+    w = Loop(engine, me, post.addresses[me], post.job, requests, deadlines, arrivals, policy, options, cost, degrees,
+             keep_arrays, post, pending=list(mine), start=start)
+    part = _Part(w)
     began, cpu = time.perf_counter(), time.process_time()
-    checked = 0.0              # when an idle worker last asked whether the job is done
     while True:
-        admitted = w.admit()
-        if admitted:
+        if w.admit():
             w.report()  # requests that fail at admission
-        now = time.time()
-        if asked and (not w.held or now - looked >= POLL_S):
-            looked = now
-            msgs = inbox.get(batch=True)  # one round trip, nothing waits in the scheduler
-            if not msgs and not w.held:
-                time.sleep(IDLE_S)
-                w.stats["idle_s"] += IDLE_S
-            for msg in msgs:
-                asked = False
-                declined = None
-                if msg[0] == "sync":
-                    from .cluster_sync import sync_phase
-
-                    sync_phase(w, msg[1], msg[2])
-                elif msg[0] == "reqs":
-                    w.pending += list(msg[1])
-                    w.stats["requests_in"] += len(msg[1])
-                else:
-                    _, index, history, data = msg
-                    w.held[index] = engine.resume(data, deadline=deadlines[index])
-                    w.history[index] = [tuple(h) for h in history]  # the Queue may make lists tuples
-                    w.stats["migrated_in"] += 1
-            if msgs:
-                continue
-        if not w.running():
+        for msg in post.take_all():
+            part.handle(msg)
+        if w.running():
+            w.step_free()
             w.report()
-            if w.pending:
-                time.sleep(0.005)  # its next request has not arrived yet
-                continue
-            if not asked and not w.held:
-                steal.put(me)
-                asked = True
-            if time.time() - checked >= DONE_S:
-                checked = time.time()
-                if done.qsize() > 0:
-                    w.stats["loop_s"] = time.perf_counter() - began
-                    w.stats["cpu_s"] = time.process_time() - cpu  # the whole worker process's
-                    return w.stats
+            part.answer_thieves()
             continue
-        w.step_free()
         w.report()
+        part.refuse_thieves()  # nothing to give
+        if w.job_done():
+            w.stats["loop_s"] = time.perf_counter() - began
+            w.stats["cpu_s"] = time.process_time() - cpu  # the whole worker process's
+            return w.stats, w.results
+        if w.pending:
+            time.sleep(0.005)  # its next request has not arrived yet
+            continue
+        if w.held:
+            continue
+        part.ask_for_work()
+        msg = post.take(timeout=IDLE_S)
+        if msg is not None:
+            part.handle(msg)
+        else:
+            w.stats["idle_s"] += IDLE_S
+
+
+class _Part:
+    """A loop's side of the work-sharing protocol (the module docstring): its one ask out, the
+    asks waiting for its answer, and the work state at which it last had nothing to give."""
+
+    def __init__(self, w: Loop) -> None:
+        self.w = w
+        others = [r for r in range(len(w.post.addresses)) if r != w.me]
+        self.order = others[w.me % len(others):] + others[:w.me % len(others)] if others else []
+        self.next = 0
+        self.asking: int | None = None   # the rank asked for work, not yet answered
+        self.refused = 0                 # refusals since this part last got work
+        self.thieves: list[int] = []     # ranks whose asks wait for an answer
+        self.declined: tuple | None = None  # (owned set, queued count) at which it had nothing to give
+
+    def handle(self, msg: tuple) -> None:
+        w, kind = self.w, msg[0]
+        if kind == "done":
+            w.finished_elsewhere += int(msg[1])
+        elif kind == "ask":
+            self.thieves.append(int(msg[1]))
+        elif kind == "none":
+            self.asking = None
+            self.refused += 1
+        elif kind == "abort":
+            raise RuntimeError(f"the job was aborted: {msg[1]}")
+        else:  # work, the answer to this part's ask
+            self.asking, self.refused = None, 0
+            self.declined = None
+            if kind == "reqs":
+                w.pending += [int(i) for i in msg[1]]
+                w.stats["requests_in"] += len(msg[1])
+            elif kind == "trajs":
+                for index, history, data in msg[1]:
+                    w.held[int(index)] = w.engine.resume(bytes(data), deadline=w.deadlines[int(index)])
+                    w.history[int(index)] = [tuple(h) for h in history]  # messages make tuples lists
+                    w.stats["migrated_in"] += 1
+            elif kind == "sync":
+                from .elastic_sync import sync_phase
+
+                sync_phase(w, tuple(int(r) for r in msg[1]), str(msg[2]))
+            else:
+                raise ValueError(f"unknown message {kind!r} in an elastic image job")
+
+    def ask_for_work(self) -> None:
+        """One ask out at a time, to the next part in turn; after a whole turn of refusals, a
+        pause first."""
+        if self.asking is not None or not self.order:
+            return
+        if self.refused >= len(self.order):
+            time.sleep(POLL_S)
+            self.w.stats["idle_s"] += POLL_S
+            self.refused = 0
+        self.asking = self.order[self.next % len(self.order)]
+        self.next += 1
+        self.w.post.send(self.asking, ("ask", self.w.me))
+
+    def refuse_thieves(self) -> None:
+        for thief in self.thieves:
+            self.w.post.send(thief, ("none",))
+        self.thieves.clear()
+
+    def answer_thieves(self) -> None:
+        """Help the first thief waiting (one offer at a time); the others hear no and ask again."""
+        if not self.thieves:
+            return
+        thief = self.thieves.pop(0)
+        self.refuse_thieves()
+        self.answer(thief)
+
+    def answer(self, thief: int) -> None:
+        from ..policy.diffusion_steal import handover, spread_plan
+
+        w = self.w
         owned = frozenset(w.held), len(w.pending)
-        now = time.time()
-        if asked or owned == declined or now - looked < POLL_S:
-            continue
-        looked = now
-        thief = _queue_get(steal)
-        if thief is None or thief == me:  # (never itself: only unregistered workers pop)
-            continue
-        box = Queue(f"bg-diff-inbox-{job}-{thief}")
+        if owned == self.declined:
+            w.post.send(thief, ("none",))
+            return
         if len(w.pending) > 1 or w.pending and w.held:
             give = w.pending[len(w.pending) // 2:]  # the end of its list: what it would run last
             del w.pending[len(w.pending) // 2:]
-            box.put(("reqs", give))
+            w.post.send(thief, ("reqs", give))
             w.stats["requests_out"] += len(give)
-            continue
+            return
         views = [w.view(i) for i in w.running()]
         scale, overall = w.scale()
-        give = handover(views, cost, options.switch_gain, scale, overall, options.max_running)
+        give = handover(views, w.cost, w.options.switch_gain, scale, overall, w.options.max_running)
         if give:
+            moved = []
             for index in give:
-                data = engine.suspend(w.held.pop(index))
-                box.put(("traj", index, w.history.pop(index, []), data))
+                moved.append((index, w.history.pop(index, []), w.engine.suspend(w.held.pop(index))))
                 w.stats["migrated_out"] += 1
-            continue
-        if spread_plan(me, thief, views, now, degrees, policy, cost, options, scale, overall) is not None:
-            from .cluster_sync import sync_phase
+            w.post.send(thief, ("trajs", moved))
+            return
+        if spread_plan(w.me, thief, views, time.time(), w.degrees, w.policy, w.cost, w.options, scale,
+                       overall) is not None:
+            from .elastic_sync import sync_phase
 
-            members = tuple(sorted((me, thief)))
-            salt = f"{job}:sync:{me}:{w.stats['offers']}"
+            members = tuple(sorted((w.me, thief)))
+            salt = f"{w.job}:sync:{w.me}:{w.stats['offers']}"
             w.stats["offers"] += 1
-            box.put(("sync", members, salt))
+            w.post.send(thief, ("sync", members, salt))
             sync_phase(w, members, salt)
-            declined = None
-            continue
-        steal.put(thief)  # for another worker; this one looks again when its work changes
-        declined = owned
-
-
-def _queue_get(queue: Any) -> Any:
-    """An item, or None when the queue is empty. qsize first: a get that times out is logged by
-    the scheduler as an error."""
-    if queue.qsize() == 0:
-        return None
-    try:
-        return queue.get(timeout=1.0)  # another worker may have taken it meanwhile
-    except Exception:  # noqa: BLE001 - distributed's timeout
-        return None
+            self.declined = None
+            return
+        w.post.send(thief, ("none",))
+        self.declined = owned

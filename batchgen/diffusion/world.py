@@ -41,6 +41,13 @@ def world_ranks(client: Any) -> dict[str, int]:
     return got
 
 
+def world_size() -> int:
+    """How many processes the gloo world holds (1 when there is none)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _rank_or_none() -> int | None:
     import torch.distributed as dist
 
@@ -49,19 +56,23 @@ def _rank_or_none() -> int | None:
 
 def sp_steps(model: str, state: bytes, ranks: tuple[int, ...], steps: int,
              engine_options: dict[str, Any] | None = None) -> bytes | None:
-    """A member's part of `steps` Ulysses steps of one trajectory (a Dask task)."""
+    """A member's part of `steps` Ulysses steps of one trajectory (a Dask task, on its worker's
+    engine for the model)."""
     import torch.distributed as dist
 
-    from .engine_spec import process_engine
+    from .on_worker import on_engine
     from .sp import UlyssesShard
 
-    engine = process_engine(model, dict(engine_options or {}))
-    tid = engine.resume(state)
     group = Group.of(ranks)
-    shard = UlyssesShard(group) if len(ranks) > 1 else None
-    for _ in range(steps):
-        engine.step_trajectory(tid, shard)
-    data = engine.suspend(tid)
+
+    def run(engine: Any) -> bytes:
+        tid = engine.resume(state)
+        shard = UlyssesShard(group) if len(ranks) > 1 else None
+        for _ in range(steps):
+            engine.step_trajectory(tid, shard)
+        return engine.suspend(tid)
+
+    data = on_engine(model, dict(engine_options or {}), run)
     return data if group.index(dist.get_rank()) == 0 else None
 
 

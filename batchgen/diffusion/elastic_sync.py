@@ -1,6 +1,6 @@
 """Lockstep rounds among a few workers of a job, for as long as spreading a trajectory pays.
 
-Entered by two workers at once (cluster_elastic.py: a busy worker whose pure plan spreads a
+Entered by two workers at once (elastic_loop.py: a busy worker whose pure plan spreads a
 trajectory over it and an idle one, and that idle one on the offer). A round is:
 
   1. state: the members all-gather, over a Group of just them (group-free collectives: no
@@ -36,7 +36,7 @@ from ..policy.diffusion_step import pack_forwards, split_forward
 
 
 def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:
-    """Run rounds among `members` (w: this worker's cluster_elastic.Loop) until the phase ends."""
+    """Run rounds among `members` (w: this worker's elastic_loop.Loop) until the phase ends."""
     from .groups import Group, all_gather_bytes, send_recv_bytes
     from .sp import UlyssesShard
 
