@@ -218,3 +218,70 @@ def test_idle_worker_is_handed_a_trajectory_and_its_image_is_unchanged(pipes, cl
         # both were batched together for some steps (GEMM blocking: test_diffusion's TOL); the
         # move itself is exact (suspend / resume is bit-identical, test_diffusion)
         assert np.abs(res[i].array - alone).max() <= 1e-4
+
+
+def _engine_keys(dask_worker) -> list[str]:  # noqa: ANN001 - Client.run passes the worker
+    side = dask_worker.extensions.get("batchgen")
+    return sorted(s.key for s in side.host.engines.specs()) if side is not None else []
+
+
+def _queue_names(dask_scheduler) -> list[str]:  # noqa: ANN001
+    ext = dask_scheduler.extensions.get("queues")
+    return sorted(getattr(ext, "queues", {}))
+
+
+def test_elastic_driver_runs_on_the_runtime_engines_and_messages(pipes, cluster, tmp_path):
+    """The elastic loops step the engine each worker's host keeps for the pipeline (the one
+    batchgen.diffuse joins: still one engine per worker after both ran) and talk worker to
+    worker: no distributed.Queue is made on the scheduler."""
+    import pandas as pd
+
+    import batchgen
+    from batchgen.diffusion.elastic import run_on_cluster
+
+    client, _ = cluster
+    path = str(pipes["dit"])
+    reqs = [ImageRequest(class_label=i, height=16, width=16, num_inference_steps=3 + i, seed=i) for i in range(4)]
+    res = run_on_cluster(client, path, reqs, elastic=False)
+    assert all(r.error is None and r.png for r in res)
+    pdf = pd.DataFrame({"class_label": [1, 2], "num_inference_steps": [2, 2], "seed": [0, 1]})
+    futs = [client.submit(batchgen.diffuse, pdf, model=path, output_dir=str(tmp_path / w.split(":")[-1]), workers=[w],
+                          pure=False) for w in client.scheduler_info()["workers"]]
+    assert all(out["error"].isna().all() for out in client.gather(futs))
+    keys = client.run(_engine_keys)
+    assert all(len(k) == 1 for k in keys.values()) and len({tuple(k) for k in keys.values()}) == 1, keys
+    assert not [q for q in client.run_on_scheduler(_queue_names) if q.startswith("bg-diff")]
+
+
+def _break_stepping(fail: bool) -> None:
+    from batchgen.diffusion import elastic_loop
+
+    if fail:
+        elastic_loop.Loop._step_free_ok = elastic_loop.Loop.step_free
+
+        def broken(self) -> None:  # noqa: ANN001
+            raise RuntimeError("this worker's steps fail")
+        elastic_loop.Loop.step_free = broken
+    elif hasattr(elastic_loop.Loop, "_step_free_ok"):
+        elastic_loop.Loop.step_free = elastic_loop.Loop._step_free_ok
+
+
+def test_a_failed_part_aborts_the_others_and_the_call_raises(pipes, cluster):
+    """One worker's loop raises: the driver tells the other part (which would otherwise wait for
+    results that never come), raises that error, and both engines serve the next job."""
+    from batchgen.diffusion.elastic import run_on_cluster
+
+    client, _ = cluster
+    path = str(pipes["dit"])
+    workers = sorted(client.scheduler_info()["workers"])
+    reqs = [ImageRequest(class_label=i, height=16, width=16, num_inference_steps=20, seed=i) for i in range(4)]
+    client.run(_break_stepping, True, workers=workers[:1])
+    try:
+        t0 = time.time()
+        with pytest.raises(RuntimeError, match="this worker's steps fail"):
+            run_on_cluster(client, path, reqs, elastic=False)
+        assert time.time() - t0 < 60
+    finally:
+        client.run(_break_stepping, False, workers=workers[:1])
+    again = run_on_cluster(client, path, reqs[:2], elastic=False)
+    assert all(r.error is None for r in again)
