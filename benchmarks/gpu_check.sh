@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU path, checked in one go on a CUDA machine (< 8 minutes): install, CUDA-marked tests,
 # kernel tests compiled (not interpreted), parity of fp32 and bf16 against transformers on the
-# test checkpoints, bench_engine's workload at a size that fills the GPU; one summary at the end.
+# test checkpoints, bench_engine's workload at a size that fills the GPU, and (on 2+ GPUs) a
+# 2-worker dask-cuda job whose workers must each have used their own device; one summary at the end.
 #
 #   bash benchmarks/gpu_check.sh            # from anywhere; PYTHON=/path/to/python to pick one
 #
-# Each step has its own time limit (the sum stays under 8 minutes) and its log under $LOGS
+# Each step has its own time limit (the sum stays under ~9.5 minutes) and its log under $LOGS
 # (default: a temp dir); a failed step does not stop the others. Exit status: 0 when every
 # step passed. Installing needs a package index; without one (an offline box with torch
 # already there) the repo is used from its source tree instead.
@@ -47,7 +48,8 @@ install() {
     return 0
   }
 }
-step install 90 install
+export -f install; export PY ROOT LOGS  # `timeout` runs programs, not functions: through bash
+step install 90 bash -c install
 export PYTHONPATH="$ROOT:$LOGS/shim${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET   # the kernels must compile, not interpret
 "$PY" -c 'import batchgen, batchgen_kernels, triton, transformers' >"$LOGS/imports.log" 2>&1 \
@@ -62,6 +64,51 @@ step parity 80 "$PY" benchmarks/gpu_parity.py
 
 # -- 4. throughput at a size that fills the GPU --------------------------------------------------
 step bench 130 "$PY" benchmarks/bench_gpu.py --rows 2048 --max-num-seqs 512 --hf-rows 256
+
+# -- 5. a 2-worker dask-cuda job: each worker's engine on its own device ----------------------------
+cat >"$LOGS/dask_cuda_check.py" <<'PY'
+"""batchgen.cluster.connect() on this GPU machine -> dask_cuda.LocalCUDACluster with 2 workers;
+a job runs on both; each worker's engine must sit on a different physical GPU (by UUID), the
+one its CUDA_VISIBLE_DEVICES entry names first, and hold memory there."""
+import sys, tempfile
+sys.path.insert(0, "tests/helpers")
+import dask.dataframe as dd, pandas as pd, torch
+import tiny_models
+import batchgen.cluster as bc
+
+def probe(dask_worker):
+    import os, torch
+    side = dask_worker.extensions["batchgen"]
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "uuid": str(props.uuid),
+            "allocated": torch.cuda.memory_allocated(), "engines": len(side.host.engines.specs()),
+            "rows": side.host.counters.rows_done + side.host.counters.returned}
+
+ckpt = tiny_models.build_checkpoint("llama", tempfile.mkdtemp())
+client = bc.connect(n_workers=2, dask_cuda=True)
+assert type(client.cluster).__name__ == "LocalCUDACluster", type(client.cluster)
+pdf = pd.DataFrame({"prompt": [f"row {i}" for i in range(64)]})
+out = dd.from_pandas(pdf, npartitions=8).map_partitions(bc.generate, model=ckpt, max_tokens=8,
+                                                       temperature=0.0).compute()
+assert out["error"].isna().all() and len(out) == 64
+seen = client.run(probe)
+print(seen)
+uuids = [s["uuid"] for s in seen.values()]
+assert len(seen) == 2 and len(set(uuids)) == 2, f"workers share a device: {seen}"
+assert all(s["engines"] == 1 and s["allocated"] > 0 for s in seen.values()), seen
+print("DASK_CUDA OK", uuids)
+PY
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$NGPU" -ge 2 ]; then
+  dask_cuda_check() {  # dask-cuda is the optional `cuda` extra: installed here when missing
+    "$PY" -c 'import dask_cuda' 2>/dev/null || "$PY" -m pip install -q "dask-cuda>=24.8" || return 3
+    "$PY" "$LOGS/dask_cuda_check.py"
+  }
+  export -f dask_cuda_check
+  step dask-cuda 90 bash -c dask_cuda_check
+else
+  SUMMARY+=("SKIP  dask-cuda (needs 2 GPUs, this machine shows $NGPU)")
+fi
 
 # -- summary --------------------------------------------------------------------------------------
 echo

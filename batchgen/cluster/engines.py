@@ -25,6 +25,12 @@ class EngineSet:
         self._runners: dict[EngineSpec, EngineRunner] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._refused: str | None = None  # why this host may start no engine (eligibility.py)
+
+    def refuse(self, reason: str | None) -> None:
+        """Start no engine from now on, failing each start with `reason` (None: allow again)."""
+        with self._lock:
+            self._refused = reason
 
     def get(self, spec: EngineSpec) -> EngineRunner:
         """The engine for `spec`, started on first use or after a failure or stop; BatchgenError
@@ -34,6 +40,8 @@ class EngineSet:
             if runner is None or runner.failure is not None or runner.is_closed:
                 if self._closed:
                     raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
+                if self._refused is not None:
+                    raise BatchgenError(self._refused)
                 runner = EngineRunner(spec, self._on_done, lambda exc, refs, s=spec: self._on_fail(s, exc, refs),
                                       self._timeline)
                 self._runners[spec] = runner

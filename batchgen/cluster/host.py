@@ -3,7 +3,8 @@
 One Host per Dask worker (`worker.extensions["batchgen"]`) or, outside Dask, one per process.
 It keeps one EngineRunner per EngineSpec, so every partition that needs the same model on this
 worker joins one engine. Rows migrate between hosts by the messages that messages.py lists (and
-worker.py's RPC handlers deliver here).
+worker.py's RPC handlers deliver here). On a worker that may not hold engines (a mixed
+cluster: eligibility.py) a Delegate hands its tasks' rows to a worker that may (delegate.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pickle
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,8 @@ from typing import Any
 from ..errors import BatchgenError
 from ..outputs import RequestOutput
 from ..policy.balance import Migration
+from .delegate import Delegate
+from .eligibility import EngineWorkers
 from .engines import EngineSet
 from .job import PartitionJob
 from . import messages
@@ -48,6 +52,8 @@ class HostCounters:
     refreshed: int = 0  # kept states of moved rows replaced by their holder's newer snapshot
     forwarded: int = 0  # coroutines held for others passed on to a third worker (via their owner)
     cancelled: int = 0  # coroutines held for others dropped because their owner's task ended
+    delegated: int = 0  # rows of this host's tasks handed to a worker that may hold engines
+    submitted_in: int = 0  # not-started rows taken from such a worker's tasks
 
 
 class Host:
@@ -66,10 +72,20 @@ class Host:
         self._last_progress = 0.0
         self._cancelled: dict[tuple[str, str], None] = {}  # (owner, job_id), oldest first
         self._live: set[str] | None = None  # live workers as last told (drop_orphans); None: not known
+        self.delegate: Delegate | None = None  # set: this host may hold no engine (eligibility.py)
 
     @property
     def address(self) -> str | None:
         return self.transport.address if self.transport is not None else None
+
+    def hold_no_engines(self, rule: EngineWorkers, holders: Callable[[], list[str]]) -> None:
+        """From now on start no engine: this worker is outside `rule`. Its tasks' rows go to the
+        workers `holders()` names (live ones the rule admits); coroutines sent here go back."""
+        if self.transport is None:
+            raise BatchgenError("a host without a transport cannot hand rows to other workers")
+        self.engines.refuse(f"this worker may not run batchgen engines: they run only on workers with "
+                            f"{rule.describe()}")
+        self.delegate = Delegate(self.transport, rule, holders)
 
     # -- engines ----------------------------------------------------------------------------------
     def runner(self, spec: EngineSpec) -> EngineRunner:
@@ -106,8 +122,14 @@ class Host:
                 raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
             self._jobs[job.job_id] = job
             self.peak_jobs = max(self.peak_jobs, len(self._jobs))
-            self._submitting[job.job_id] = len(requests)
+            if self.delegate is None:
+                self._submitting[job.job_id] = len(requests)
+            else:
+                self.counters.delegated += len(requests)
         self.timeline.task_opened()
+        if self.delegate is not None:
+            self.delegate.open(job, requests)
+            return job
         batch: list[Request] = [(RowRef(job.job_id, i), p, sp) for i, (p, sp) in enumerate(requests)]
         fut = self.engines.call(spec, lambda runner: runner.submit(batch))
         fut.add_done_callback(lambda f: self._submitted(job, f))
@@ -126,6 +148,8 @@ class Host:
             last = self._closed and not self._jobs
         if known:
             self.timeline.task_closed()
+        if self.delegate is not None:
+            self.delegate.forget(job.job_id)
         runner = self.engines.peek(job.spec)
         if runner is not None:
             runner.cancel(lambda ref: ref.is_local and ref.job_id == job.job_id)
@@ -304,6 +328,9 @@ class Host:
         self._resume_states(job, [(row, fresh.get(row, state)) for row, state in kept.items()])
 
     def _resume_states(self, job: PartitionJob, states: list[tuple[int, bytes]]) -> None:
+        if self.delegate is not None:  # no engine here: on to another worker that may hold one
+            self.delegate.send(job, states)
+            return
         fut = self.engines.call(job.spec, lambda runner: runner.adopt(
             [(RowRef(job.job_id, row), state) for row, state in states]))
 
@@ -324,11 +351,11 @@ class Host:
         if not refs:
             return
         with self._lock:
-            closed = self._closed
+            closed = self._closed or self.delegate is not None
             if not closed:
                 self.counters.migrated_in += len(refs)
         if closed:
-            self._bounce(owner, [ref for ref, _ in refs])
+            self._bounce(owner, [ref for ref, _ in refs], dict(refs))
             return
         fut = self.engines.call(spec, lambda runner: runner.adopt(refs))
 
@@ -337,6 +364,22 @@ class Host:
             if bad:
                 self._bounce(owner, bad)
         fut.add_done_callback(rejected)
+
+    def receive_submit(self, owner: str, spec: EngineSpec, job_id: str, rows: list[tuple[int, Any, Any]]) -> None:
+        """Run not-started rows (row, prompt, params) of `owner`'s task, whose worker may hold no
+        engine; results go back as for adopted rows, rows that cannot run here are bounced."""
+        refs = [RowRef(job_id, row, owner) for row, _, _ in rows]
+        with self._lock:
+            refused = self._closed or self.delegate is not None or (owner, job_id) in self._cancelled
+            if not refused:
+                self.counters.submitted_in += len(rows)
+        if refused:
+            if (owner, job_id) not in self._cancelled:
+                self._bounce(owner, refs)
+            return
+        batch: list[Request] = [(ref, prompt, params) for ref, (_, prompt, params) in zip(refs, rows)]
+        fut = self.engines.call(spec, lambda runner: runner.submit(batch))
+        fut.add_done_callback(lambda f: self._bounce(owner, refs) if f.exception() is not None else None)
 
     def _bounce(self, owner: str, refs: list[RowRef], states: dict[RowRef, bytes] | None = None) -> None:
         if self.transport is None:

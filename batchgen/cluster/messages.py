@@ -9,6 +9,8 @@ Migration is these messages between hosts (worker.py has the RPC handlers):
     holder --forward(states, dst)--> owner   re-migration: the holder is told to pass rows on; the
                                              owner records the new holder, then adopts them to it
     owner --cancel(rows)--> holder           the owning task failed or ended: drop its rows
+    owner --submit(requests)--> holder       rows of a task on a worker that may hold no engine
+                                             (delegate.py): run them there, results as above
 
 The owner keeps each moved row's suspended state until its result arrives, replacing it with the
 holder's newer snapshots; when the holder leaves the cluster the owner resumes the row itself

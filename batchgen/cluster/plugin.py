@@ -6,6 +6,8 @@ policy in balance.py) and, when it changed, the set of live workers, from which 
 that a holder of their coroutines is gone. `start()` also registers the worker plugin, so
 `Client.register_plugin(BalancePlugin())` is the whole setup; `close()` undoes both. It also
 puts batchgen's per-worker figures on the scheduler's Prometheus endpoint (prometheus.py).
+With an engine rule (eligibility.py) only the workers it admits are cold-start destinations,
+and every worker learns which those are (`engine_workers` in the reply).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from distributed.protocol.pickle import dumps
 
 from . import prometheus
 from ..policy.balance import BalanceConfig, CoroutineInfo, EngineLoad, Migration, plan_migrations
+from .eligibility import EngineWorkers
 from .worker import WORKER_PLUGIN, BatchgenWorkerPlugin
 
 if TYPE_CHECKING:
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "batchgen-balance"
-SCHEDULER_HANDLERS = ("batchgen_load", "batchgen_metrics")
+SCHEDULER_HANDLERS = ("batchgen_load", "batchgen_metrics", "batchgen_engine_workers")
 
 
 @dataclass(slots=True)
@@ -81,8 +84,10 @@ class BalancePlugin(SchedulerPlugin):
     name = PLUGIN_NAME
 
     def __init__(self, config: BalanceConfig | None = None, push_interval: float = 0.2,
-                 cooldown: float = 1.0, stale_after: float = 5.0) -> None:
+                 cooldown: float = 1.0, stale_after: float = 5.0, engine_workers: EngineWorkers | None = None) -> None:
+        """engine_workers: which workers may hold engines (default: any)."""
         self.config = config or BalanceConfig()
+        self.engine_rule = engine_workers or EngineWorkers()
         self.push_interval, self.cooldown, self.stale_after = push_interval, cooldown, stale_after
         self.scheduler: Scheduler | None = None
         self.views: dict[str, WorkerView] = {}
@@ -100,11 +105,13 @@ class BalancePlugin(SchedulerPlugin):
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        scheduler.handlers.update({"batchgen_load": self.handle_load, "batchgen_metrics": self.metrics})
+        scheduler.handlers.update({"batchgen_load": self.handle_load, "batchgen_metrics": self.metrics,
+                                   "batchgen_engine_workers": self.engine_workers})
         collector = prometheus.BatchgenCollector(self.metrics)
         if prometheus.register(collector):
             self._collector = collector
-        plugin = BatchgenWorkerPlugin(push_interval=self.push_interval)
+        rule = self.engine_rule.to_msg() if self.engine_rule.is_restricted else None
+        plugin = BatchgenWorkerPlugin(push_interval=self.push_interval, engine_workers=rule)
         await scheduler.register_worker_plugin(None, dumps(plugin), name=WORKER_PLUGIN, idempotent=False)
 
     async def close(self) -> None:
@@ -154,7 +161,20 @@ class BalancePlugin(SchedulerPlugin):
         reply: dict[str, Any] = {"orders": [asdict(o) for o in orders], "epoch": self.epoch, "workers": None}
         if epoch != self.epoch and self.scheduler is not None:
             reply["workers"] = list(self.scheduler.workers)
+            reply["engine_workers"] = self.engine_workers()
         return reply
+
+    def engine_workers(self) -> list[str]:
+        """The live workers that may hold engines (all of them without a rule)."""
+        if self.scheduler is None:
+            return []
+        return [addr for addr, ws in self.scheduler.workers.items() if self.admits(addr)]
+
+    def admits(self, worker: str) -> bool:
+        if not self.engine_rule.is_restricted:
+            return True
+        ws = self.scheduler.workers.get(worker) if self.scheduler is not None else None
+        return ws is not None and self.engine_rule.admits(worker, ws.name, ws.resources)
 
     def metrics(self) -> dict[str, Any]:
         """Per-worker engine load and counters, and cluster totals (see cluster.metrics)."""
@@ -184,7 +204,7 @@ class BalancePlugin(SchedulerPlugin):
         return {"workers": workers, "totals": totals, "orders": self.counters.orders,
                 "ordered_coroutines": self.counters.ordered_coroutines,
                 "migrations": int(totals.get("migrated_out", 0)), "by_reason": dict(self.counters.by_reason),
-                "config": asdict(self.config)}
+                "config": asdict(self.config), "engine_workers": self.engine_rule.to_msg()}
 
     # -- planning ---------------------------------------------------------------------------------
     def _plan(self, now: float) -> list[Migration]:
@@ -231,6 +251,8 @@ class BalancePlugin(SchedulerPlugin):
         models = {m for v in fresh.values() for m in v.report.get("engines", {})}
         loads: list[EngineLoad] = []
         for worker, view in fresh.items():
+            if not self.admits(worker):  # holds no engine, takes no coroutine (eligibility.py)
+                continue
             engines = view.report.get("engines", {})
             for model in models:
                 e = engines.get(model)

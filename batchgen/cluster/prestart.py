@@ -11,7 +11,8 @@ earlier:
   call knows the model and engine options, so it asks every worker (fire and forget,
   `Client.run(wait=False)`) to start that engine now; by the time tasks land it is loading or
   loaded. Without a connected batchgen cluster it does nothing; a worker that already has the
-  engine ignores it. The engine is the one the tasks would have started (same EngineSpec).
+  engine ignores it, and so does one that may not hold engines (eligibility.py). The engine is
+  the one the tasks would have started (same EngineSpec).
 """
 from __future__ import annotations
 

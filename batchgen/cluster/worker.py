@@ -25,12 +25,14 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import pickle
 import threading
 from typing import TYPE_CHECKING, Any
 
 from distributed import WorkerPlugin
 
 from ..policy.balance import Migration
+from .eligibility import EngineWorkers
 from .host import Host
 from .mailbox import Mailboxes
 from .spec import EngineSpec
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 EXTENSION = "batchgen"
 WORKER_PLUGIN = "batchgen-worker"
 HANDLERS = ("batchgen_adopt", "batchgen_result", "batchgen_bounce", "batchgen_progress", "batchgen_forward",
-            "batchgen_cancel", "batchgen_mail")
+            "batchgen_cancel", "batchgen_mail", "batchgen_submit")
 _create_lock = threading.Lock()
 
 
@@ -82,12 +84,33 @@ class WorkerSide:
         self.live: set[str] | None = None
         self._pusher: asyncio.Task[None] | None = None
         self._closed = False
+        self.engine_workers: list[str] | None = None  # live workers that may hold engines, as last told
+
+    def restrict(self, rule: EngineWorkers) -> None:
+        """Apply the cluster's engine rule: outside it this worker's host starts no engine and
+        hands its tasks' rows to workers inside it."""
+        w = self.worker
+        if rule.admits(w.address, w.name, dict(w.state.total_resources)) or self.host.delegate is not None:
+            return
+        self.host.hold_no_engines(rule, self.holders)
+
+    def holders(self) -> list[str]:
+        """Live workers that may hold engines: as the last load reply said, else asked now (a
+        task thread, before this worker's first push came back)."""
+        if self.engine_workers is None:
+            from distributed.utils import sync
+
+            try:
+                self.engine_workers = list(sync(self.worker.loop, self.worker.scheduler.batchgen_engine_workers))
+            except RuntimeError:  # on the event loop itself: the next load reply tells
+                return []
+        return list(self.engine_workers)
 
     def install(self) -> None:
         self.worker.handlers.update({"batchgen_adopt": self.adopt, "batchgen_result": self.result,
                                      "batchgen_bounce": self.bounce, "batchgen_progress": self.progress,
                                      "batchgen_forward": self.forward, "batchgen_cancel": self.cancel,
-                                     "batchgen_mail": self.mail})
+                                     "batchgen_mail": self.mail, "batchgen_submit": self.submit})
         self.worker.extensions[EXTENSION] = self
 
     # -- RPC handlers -----------------------------------------------------------------------------
@@ -98,6 +121,12 @@ class WorkerSide:
         `batchgen_bounce`.
         """
         self.host.adopt(owner, EngineSpec.from_msg(spec), [(str(j), int(r), bytes(s)) for j, r, s in items])
+
+    def submit(self, owner: str, spec: dict[str, Any], job_id: str, rows: list[list[Any]]) -> None:
+        """Run not-started rows of a task on `owner`, a worker that may hold no engine: `rows`
+        are [row, pickled (prompt, params)]; results go back by `batchgen_result`."""
+        decoded = [(int(row), *pickle.loads(blob)) for row, blob in rows]
+        self.host.receive_submit(owner, EngineSpec.from_msg(spec), str(job_id), decoded)
 
     def result(self, jobs: dict[str, list[list[Any]]]) -> None:
         """Outputs of this worker's rows that ran elsewhere: {job_id: [[row, pickled RequestOutput]]}."""
@@ -157,6 +186,8 @@ class WorkerSide:
 
     def apply(self, reply: dict[str, Any]) -> None:
         """Carry out the plugin's reply: migration orders, and the live worker set when it changed."""
+        if reply.get("engine_workers") is not None:
+            self.engine_workers = list(reply["engine_workers"])
         if reply.get("workers") is not None:
             self.epoch = int(reply["epoch"])
             self.live = set(reply["workers"])
@@ -204,7 +235,7 @@ async def start_engine(spec: dict[str, Any], dask_worker: Worker) -> bool:
     for `spec` unless running; -> whether this worker runs batchgen (its side is installed).
     Returns at once: the engine loads on its own thread."""
     side = dask_worker.extensions.get(EXTENSION)
-    if side is None:
+    if side is None or side.host.delegate is not None:
         return False
     side.host.prestart(EngineSpec.from_msg(spec))
     return True
@@ -229,10 +260,14 @@ class BatchgenWorkerPlugin(WorkerPlugin):
 
     push_interval: float = 0.2
     name: str = WORKER_PLUGIN
+    engine_workers: dict[str, Any] | None = None  # EngineWorkers.to_msg(); None: any worker
 
     async def setup(self, worker: Worker) -> None:
-        ensure_side(worker).start_pushing(self.push_interval)
-        warm_imports()  # torch imported before the first task needs it
+        side = ensure_side(worker)
+        side.restrict(EngineWorkers.from_msg(self.engine_workers))
+        side.start_pushing(self.push_interval)
+        if side.host.delegate is None:  # a worker that may hold no engine never needs torch
+            warm_imports()  # torch imported before the first task needs it
 
     async def teardown(self, worker: Worker) -> None:
         side = worker.extensions.get(EXTENSION)

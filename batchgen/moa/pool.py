@@ -130,8 +130,17 @@ class ModelPool:
             return [WorkerSlot(LOCAL)]
         info = self.client.scheduler_info(n_workers=-1)["workers"] if _takes_n_workers(self.client) \
             else self.client.scheduler_info()["workers"]
+        from ..cluster.client import engine_workers
+
+        allowed = engine_workers(self.client)  # None: any worker may hold engines
+        if allowed is not None and not allowed:
+            raise BatchgenError("no worker of this cluster may run a batchgen engine: none has the worker "
+                                "resource or name the batchgen plugin requires (batchgen.worker-resource, "
+                                "batchgen.engine-workers)")
         slots = []
         for addr, w in sorted(info.items()):
+            if allowed is not None and addr not in allowed:  # replicas only where engines may start
+                continue
             limit = self.worker_memory or w.get("memory_limit") or 0
             slots.append(WorkerSlot(addr, float(limit) if limit else float("inf")))
         if not slots:
