@@ -1,16 +1,19 @@
 """``batchgen run`` (a file job) and ``batchgen demo`` (the same on a bundled file and model);
 ``batchgen plan`` and ``batchgen bench`` come from batchgen/sim/cli.py.
 
-Exit codes: 0 when the job ran to the end, even if some rows failed (their error records say
-why; the summary counts them); 2 when it could not start (bad flags, unreadable input, missing
-model, an output that exists without --resume/--overwrite); 130 when interrupted (what finished
-is kept: rerun with --resume).
+Exit codes (batchgen/io/report.py, docs/guides/file-jobs.md): 0 when the job completed with
+failed rows within ``--max-error-rate``; 3 when more rows failed (a job whose rows all failed
+never exits 0); 1 when the engine or cluster failed mid-job; 2 when it could not start (bad
+flags, unreadable input, missing model, bucket, credentials or filesystem extra, an output that
+exists without --resume/--overwrite, a resume of another job); 130 when interrupted (what
+finished is kept: rerun with --resume).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import logging
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,6 +26,8 @@ if TYPE_CHECKING:
 
     from batchgen.io.job import JobSummary
     from batchgen.io.spec import JobSpec
+
+log = logging.getLogger("batchgen")
 
 # (flag, SamplingParams field, type, help); unset flags keep SamplingParams' (vLLM's) defaults.
 _SAMPLING_FLAGS: list[tuple[str, str, Any, str]] = [
@@ -41,32 +46,58 @@ _SAMPLING_FLAGS: list[tuple[str, str, Any, str]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from batchgen import __version__
+
     parser = argparse.ArgumentParser(
         prog="batchgen", description="Batch (offline) inference of Mixture-of-Experts LLMs.")
+    parser.add_argument("--version", action="version", version=f"batchgen {__version__}")
+    _add_log_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser(
         "run", help="run a JSONL or Parquet file of requests through a model",
         description="Run every row of --input through the model and write one result or error "
-        "per row to --output. Input by extension: .jsonl (OpenAI batch: custom_id, method, url "
-        "/v1/completions or /v1/chat/completions, body) or .parquet (one prompt per row; all "
-        "columns pass through). The output uses the input's format. Rows with bad values get "
-        "an error record and the job goes on; exit code 2 means it could not start.")
+        "per row to --output. Paths are local or fsspec URLs (s3://, gs://, abfs://, memory://; "
+        "http(s):// for input). Input by name: .jsonl, optionally .gz/.bz2/.zst/.xz (OpenAI batch: "
+        "custom_id, method, url /v1/completions or /v1/chat/completions, body) or .parquet (one "
+        "prompt per row; all columns pass through); a glob or a directory of them (a Parquet "
+        "dataset, hive partitions included). Output by name: .jsonl, .parquet (one file), or any "
+        "other name: a Parquet dataset directory written as rows finish. Rows with bad values get "
+        "an error record and the job goes on. Exit codes: 0 done within --max-error-rate, 3 too "
+        "many failed rows, 1 engine/cluster failure, 2 could not start, 130 interrupted "
+        "(docs/guides/file-jobs.md).")
     which = run.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", metavar="DIR", help="model directory "
-                       "(config.json, *.safetensors, tokenizer.json)")
+    which.add_argument("--model", metavar="DIR|ID", help="model directory (config.json, *.safetensors, "
+                       "tokenizer.json) or Hugging Face id (org/name[@revision], resolved in the HF cache)")
     which.add_argument("--models", nargs="+", metavar="NAME=DIR", help="several models (or one models.toml / models.yaml): "
                        "each JSONL line runs on the model its body.model names (batchgen/moa/backend.py)")
     run.add_argument("--placement", choices=["ilp", "round_robin", "data_parallel"], default="ilp",
                      help="with --models on a cluster: how models and rows are placed on workers (default: ilp)")
-    run.add_argument("--input", required=True, type=Path, metavar="FILE",
-                     help="requests: .jsonl (OpenAI batch) or .parquet")
-    run.add_argument("--output", required=True, type=Path, metavar="FILE",
-                     help="results, same extension as --input (an image job's: .jsonl or .parquet); "
-                          "written as rows finish")
+    run.add_argument("--input", required=True, metavar="URL",
+                     help="requests: .jsonl[.gz|.bz2|.zst|.xz] (OpenAI batch) or .parquet; a glob or a directory")
+    run.add_argument("--output", required=True, metavar="URL",
+                     help="results: .jsonl (JSONL input only), .parquet (one file, for small jobs) or a "
+                          "directory (a Parquet dataset; an image job's: .jsonl or .parquet); written as rows finish")
+    run.add_argument("--error-file", metavar="URL", help="write failed rows here instead of --output "
+                     "(.jsonl, or Parquet for a Parquet input; default: failed rows are in --output)")
+    run.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                     help="an fsspec storage option for every URL (e.g. anon=true, "
+                          "client_kwargs.endpoint_url=http://host:9000); repeatable; over dask.config "
+                          "batchgen.storage-options; credentials come from the usual environment")
     again = run.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue an interrupted job: "
-                       "skip rows already in --output, run the rest")
+                       "skip rows already in --output, run the rest; refused if the input, model, "
+                       "sampling options or batchgen version changed")
     again.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    run.add_argument("--retry-errors", action="store_true", help="with --resume: run again the rows that "
+                     "ended in a retryable (engine or cluster) error, replacing their records")
+    run.add_argument("--force-resume", action="store_true", help="with --resume: finish the output even "
+                     "though what decides its rows changed (mixes the two jobs' rows)")
+    run.add_argument("--max-error-rate", type=float, default=0.05, metavar="RATE",
+                     help="exit 3 when more than this fraction of rows failed (default: 0.05); "
+                          "a job whose rows all failed never exits 0")
+    run.add_argument("--summary-json", metavar="URL", help="write the job summary (request_counts, "
+                     "tokens, timing) here as JSON; it is also the last line on stderr")
+    _add_log_flags(run)
     _add_engine_flags(run)
     pq = run.add_argument_group("Parquet input")
     pq.add_argument("--prompt-column", default="prompt", metavar="NAME", help="column with the "
@@ -88,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", type=Path, default=Path("demo_out/results.parquet"),
                       metavar="FILE", help="where to write the results (default: %(default)s)")
     _add_engine_flags(demo)
+    _add_log_flags(demo)
     from batchgen.sim.cli import add_commands as add_sim_commands
 
     add_sim_commands(sub)  # plan, bench: the simulator's commands, self-contained in sim/cli.py
@@ -95,6 +127,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_moa_command(sub)  # moa: batchgen/moa/cli.py
     return parser
+
+
+def _add_log_flags(p: argparse.ArgumentParser) -> None:
+    """-v / -q / --log-level, on the top parser and on a command; SUPPRESS defaults, as a
+    command's defaults would overwrite what the top parser read."""
+    g = p.add_argument_group("logging")
+    g.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="debug log lines")
+    g.add_argument("-q", "--quiet", action="count", default=argparse.SUPPRESS, help="errors only")
+    g.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
+                   default=argparse.SUPPRESS, help="the batchgen logger's level (default: INFO)")
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    """The ``batchgen`` logger to stderr; the progress bar stays tqdm's."""
+    level = getattr(args, "log_level", None)
+    if level is None:
+        verbose, quiet = getattr(args, "verbose", None) or 0, getattr(args, "quiet", None) or 0
+        level = "DEBUG" if verbose > 0 else "ERROR" if quiet > 0 else "INFO"
+    logger = logging.getLogger("batchgen")
+    logger.setLevel(level)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("batchgen: %(message)s"))
+        logger.addHandler(handler)
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (tests and notebooks swap it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -173,39 +241,95 @@ def param_columns(specs: Sequence[str]) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from batchgen.io.faults import JobAborted
+    from batchgen.io.report import EXIT_ABORTED, EXIT_CANNOT_START, EXIT_INTERRUPTED
+
     args = build_parser().parse_args(argv)
+    setup_logging(args)
     try:
         if args.command == "demo":
             return _demo(args)
         if args.command in ("plan", "bench", "moa"):
             return args.handler(args)
         return _run(args)
+    except JobAborted as exc:
+        print(f"batchgen: error: {exc}; rerun with --resume --retry-errors to finish", file=sys.stderr)
+        _report(args, getattr(exc, "summary", None), EXIT_ABORTED)
+        return EXIT_ABORTED
     except BatchgenError as exc:
         print(f"batchgen: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CANNOT_START
     except KeyboardInterrupt:
         print("batchgen: interrupted; finished rows are saved: rerun with --resume to finish",
               file=sys.stderr)
-        return 130
+        _report(args, None, EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+
+
+def _job_spec(args: argparse.Namespace, **kw: Any) -> JobSpec:
+    """The run command's JobSpec, with what decides its outputs for ``--resume`` (the models'
+    identities, the options that change tokens)."""
+    from batchgen.io.fingerprint import model_identity
+    from batchgen.io.report import check_rate
+    from batchgen.io.spec import JobSpec
+    from batchgen.io.storage import parse_storage_options
+
+    check_rate(args.max_error_rate)
+    if args.models:
+        from batchgen.moa.backend import parse_models
+
+        models = {name: model_identity(path) for name, path in parse_models(args.models).items()}
+    else:
+        models = {"model": model_identity(args.model)}
+    options = {"dtype": args.dtype or "auto"}
+    return JobSpec(input=args.input, output=args.output, resume=args.resume, overwrite=args.overwrite,
+                   storage_options=parse_storage_options(args.storage_option), retry_errors=args.retry_errors,
+                   force_resume=args.force_resume, error_file=args.error_file,
+                   job={"models": models, "options": options}, **kw)
+
+
+def _report(args: argparse.Namespace, summary: JobSummary | None, code: int) -> None:
+    """The summary as the last stderr line, and in --summary-json."""
+    if getattr(args, "command", None) != "run":
+        return
+    from batchgen.io.report import summary_record, write_summary
+    from batchgen.io.storage import parse_storage_options
+
+    record = summary_record(summary, code, input_url=str(args.input), output_url=str(args.output),
+                            error_file=args.error_file, max_error_rate=args.max_error_rate)
+    if args.summary_json:
+        try:
+            write_summary(args.summary_json, record, parse_storage_options(args.storage_option))
+        except (OSError, BatchgenError) as exc:
+            print(f"batchgen: could not write --summary-json {args.summary_json}: {exc}", file=sys.stderr)
+    print(json.dumps(record), file=sys.stderr)
+
+
+def _finish(args: argparse.Namespace, spec: JobSpec, summary: JobSummary, where: str = "") -> int:
+    from batchgen.io.report import EXIT_TOO_MANY_ERRORS, exit_code
+
+    code = exit_code(summary, args.max_error_rate)
+    log.info("wrote %s: %s%s", spec.output, summary.describe(), where)
+    if code == EXIT_TOO_MANY_ERRORS:
+        counts = summary.request_counts()
+        log.error("%d of %d rows failed, more than --max-error-rate %s allows: exit %d", counts["failed"],
+                  counts["total"], args.max_error_rate, code)
+    _report(args, summary, code)
+    return code
 
 
 def _run(args: argparse.Namespace) -> int:
-    from batchgen.io.spec import JobSpec
-
     if args.model and (Path(args.model) / "model_index.json").is_file():  # a diffusers pipeline: image generation
         return _run_images(args)
 
-    spec = JobSpec(input=args.input, output=args.output, resume=args.resume,
-                   overwrite=args.overwrite, defaults=sampling_defaults(args),
-                   prompt_column=args.prompt_column, id_column=args.id_column,
-                   param_columns=param_columns(args.param_column),
-                   per_row_params=args.per_row_params)
+    spec = _job_spec(args, defaults=sampling_defaults(args), prompt_column=args.prompt_column,
+                     id_column=args.id_column, param_columns=param_columns(args.param_column),
+                     per_row_params=args.per_row_params)
     spec.check()
     if args.models:
         return _run_models(spec, args)
     summary = _execute(spec, args.model, args)
-    print(f"batchgen: wrote {spec.output}: {summary.describe()}", file=sys.stderr)
-    return 0
+    return _finish(args, spec, summary)
 
 
 def _run_images(args: argparse.Namespace) -> int:
@@ -214,10 +338,8 @@ def _run_images(args: argparse.Namespace) -> int:
     from batchgen.diffusion.engine_spec import image_spec
     from batchgen.diffusion.images_batch import IMAGE_FORMATS, cluster_stream, engine_stream, run_images_job
     from batchgen.diffusion.pipeline import read_index
-    from batchgen.io.spec import JobSpec
 
-    spec = JobSpec(input=args.input, output=args.output, resume=args.resume, overwrite=args.overwrite,
-                   formats=IMAGE_FORMATS)
+    spec = _job_spec(args, formats=IMAGE_FORMATS)
     spec.check()
     options = {"dtype": args.dtype or "auto", "device": args.device, "max_image_tokens": args.max_image_tokens}
     name = Path(args.model).name
@@ -235,8 +357,7 @@ def _run_images(args: argparse.Namespace) -> int:
         local = DiffusionEngine(args.model, **options)  # ModelLoadError: exit 2
         summary = run_images_job(spec, engine_stream(local), model_name=name, chunk_size=args.chunk_size,
                                  progress=args.progress)
-    print(f"batchgen: wrote {spec.output}: {summary.describe()}", file=sys.stderr)
-    return 0
+    return _finish(args, spec, summary)
 
 
 def _run_models(spec: JobSpec, args: argparse.Namespace) -> int:
@@ -262,8 +383,7 @@ def _run_models(spec: JobSpec, args: argparse.Namespace) -> int:
         if cluster is not None:
             cluster.close()
     where = f"; placement {placement.describe()}" if placement is not None else ""
-    print(f"batchgen: wrote {spec.output}: {summary.describe()}{where}", file=sys.stderr)
-    return 0
+    return _finish(args, spec, summary, where)
 
 
 def _execute(spec: JobSpec, model: str | Path, args: argparse.Namespace) -> JobSummary:
@@ -342,12 +462,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _size(text: str) -> int:
-    from batchgen.config import parse_size
+    from batchgen.config import size_arg
 
-    try:
-        return parse_size(text, "size")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return size_arg(text)
 
 
 def _positive(text: str) -> int:

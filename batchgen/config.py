@@ -35,6 +35,16 @@ def parse_size(text: str, name: str) -> int:
     return int(value)
 
 
+def size_arg(text: str) -> int:
+    """``parse_size`` for argparse: every command's size flags read sizes the same way."""
+    import argparse
+
+    try:
+        return parse_size(text, "size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 @dataclass(slots=True)
 class EngineConfig:
     # "auto" (vLLM's rule, models/dtype.py): the checkpoint's dtype on CUDA, float32 on CPU;

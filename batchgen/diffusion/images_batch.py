@@ -32,7 +32,9 @@ from .request import ImageRequest
 if TYPE_CHECKING:
     from ..io.dask_backend import DaskBackend
 
-IMAGE_FORMATS = Formats(inputs=(".jsonl",), outputs=(".jsonl", ".parquet"), job="an image job")
+# PNGs are written beside the output, so an image job's files are local
+IMAGE_FORMATS = Formats(inputs=(".jsonl",), outputs=(".jsonl", ".parquet"), job="an image job", datasets=False,
+                        remote=False)
 
 
 # (image requests, the most in flight) -> (position in the requests, output) as each finishes
@@ -98,5 +100,5 @@ def run_images_job(spec: JobSpec, images: ImageStream, *, model_name: str, chunk
     spec.prepare_output()
     sink = (ImagesParquetSink(spec.output, resume=spec.resume) if spec.output_format == "parquet"
             else ImagesJsonlSink(spec.output, model=model_name, resume=spec.resume))
-    return run_reader(ImagesReader(spec.input), sink, DiffusionBackend(images), work=IMAGES,
+    return run_reader(ImagesReader(spec.source), sink, DiffusionBackend(images), work=IMAGES,
                       chunk_size=chunk_size, progress=progress)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..io.openai_batch import count_lines, read_lines
+from ..io.source import Source
 from ..io.request import NO_VALUE, Request, RowKey
 from .request import ImageRequest
 
@@ -46,7 +47,7 @@ class LineResult:
 class ImagesReader:
     """The lines of ``path`` as ImageRows, parsed lazily."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Source | Path) -> None:
         self.path = path
 
     def count(self) -> int:

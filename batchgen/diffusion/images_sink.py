@@ -71,7 +71,7 @@ class ImagesParquetSink(ParquetSink):
     key_columns = ("custom_id", "error_code", "line")
 
     def __init__(self, path: Path, *, resume: bool) -> None:
-        super().__init__(path, pa.schema([]), resume=resume, columns=IMAGE_COLUMNS)
+        super().__init__(Path(path), pa.schema([]), resume=resume, columns=IMAGE_COLUMNS)
 
     def add_result(self, req: ImageRow, out: LineResult) -> None:  # type: ignore[override]
         paths = [str(p) for p in save_pngs(self.path, req, out)]

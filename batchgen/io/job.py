@@ -14,7 +14,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from batchgen.errors import BatchgenError
 from batchgen.io.backend import TEXT, Backend, EngineBackend, Work
+from batchgen.io.faults import SERVER_CODE, JobAborted, backend_error, engine_error
 from batchgen.io.request import Request, RowError, RowKey
 from batchgen.io.rows import RowContext
 from batchgen.io.sink import Sink
@@ -36,9 +38,13 @@ class Reader(Protocol):
 @dataclass(slots=True)
 class JobSummary:
     resumed: int = 0  # rows already in the output before this run
+    resumed_failed: int = 0  # of them: rows that ended in an error
     succeeded: int = 0
     errors: int = 0
+    retryable: int = 0  # of this run's errors: server faults (``--resume --retry-errors``)
     generated: int = 0  # in ``unit``
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     wall_s: float = 0.0
     unit: str = "tokens"
 
@@ -50,6 +56,12 @@ class JobSummary:
     def per_s(self) -> float:
         return self.generated / self.wall_s if self.wall_s > 0 else 0.0
 
+    def request_counts(self) -> dict[str, int]:
+        """OpenAI's batch ``request_counts`` over the whole output, earlier runs' rows included."""
+        total = self.resumed + self.rows
+        failed = self.resumed_failed + self.errors
+        return {"total": total, "completed": total - failed, "failed": failed}
+
     def describe(self) -> str:
         text = (f"{self.rows} rows: {self.succeeded} succeeded, {self.errors} errors"
                 + (f" ({self.resumed} already done before this run)" if self.resumed else "")
@@ -57,6 +69,8 @@ class JobSummary:
                 f"({self.per_s:,.1f} {'tok' if self.unit == 'tokens' else self.unit}/s)")
         if self.errors:
             text += "\nsome rows failed: their error records say why (line/row, field, value)"
+        if self.retryable:
+            text += f"; {self.retryable} failed on the engine or cluster: --resume --retry-errors runs them again"
         return text
 
 
@@ -92,7 +106,7 @@ def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *, work: 
     On an exception (KeyboardInterrupt included) the rows finished so far are flushed and the
     sink stays resumable.
     """
-    summary = JobSummary(resumed=len(sink.done), unit=work.unit)
+    summary = JobSummary(resumed=len(sink.done), resumed_failed=getattr(sink, "done_failed", 0), unit=work.unit)
     start = last_flush = time.monotonic()
     counts_tokens = work.unit == "tokens"  # the progress line's rate is tok/s
 
@@ -121,20 +135,37 @@ def run_job(requests: Iterable[Request], sink: Sink, backend: Backend, *, work: 
             in_flight[position] = req
             yield work.item(req)
 
+    def failed(req: Request, error: RowError) -> None:
+        req.fail_with(error)
+        sink.add_error(req)
+        summary.errors += 1
+        summary.retryable += error.code == SERVER_CODE
+
     try:
         for position, out in backend.run(valid_items(), chunk_size):
             req = in_flight.pop(position)
             amount = 0
             if out.finish_reason == "error":
-                req.fail_with(RowError("invalid_request", out.error or "generation failed"))
-                sink.add_error(req)
-                summary.errors += 1
+                failed(req, engine_error(out.error))
             else:
                 sink.add_result(req, out)
                 summary.succeeded += 1
                 amount = work.amount(out)
                 summary.generated += amount
+                summary.prompt_tokens += getattr(out, "num_prompt_tokens", 0)
+                summary.cached_tokens += getattr(out, "num_cached_tokens", 0)
             wrote(amount)
+    except (BatchgenError, KeyboardInterrupt, SystemExit):
+        sink.close()
+        raise
+    except Exception as exc:  # the backend failed: its rows in flight are the server's fault
+        for req in in_flight.values():
+            failed(req, backend_error(exc))
+        sink.close()
+        aborted = JobAborted(f"the engine or cluster failed mid-job ({type(exc).__name__}: {exc}); "
+                             f"{len(in_flight)} rows in flight were written as retryable server errors")
+        aborted.summary = summary  # type: ignore[attr-defined]
+        raise aborted from exc
     except BaseException:
         sink.close()
         raise

@@ -45,3 +45,14 @@ def _top(lp: dict[int, float]) -> list[tuple[int, float]]:
 def _entry(tok: Tokenizer, token_id: int, logprob: float | None) -> dict[str, Any]:
     text = tok.decode([token_id], skip_special_tokens=False)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def logprob_cell(out: RequestOutput, tok: Tokenizer | None) -> list[dict[str, Any]] | None:
+    """One Parquet ``logprobs`` cell: the chat endpoint's ``content`` entries (the JSONL values),
+    less ``bytes``: ``list<struct<token, logprob, top_logprobs: list<struct<token, logprob>>>>``."""
+    if out.logprobs is None or tok is None:
+        return None
+    content = (chat_logprobs(out, tok) or {}).get("content", [])
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in content]

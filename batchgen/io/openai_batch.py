@@ -11,9 +11,11 @@ field, a prompt too long, a generation the engine rejects) is answered the way O
 output answers a request the API rejected with an HTTP 400: ``response.status_code`` 400 and
 ``response.body.error = {message, type, param, code, line}`` (``line`` is ours: the input line,
 which is how ``--resume`` recognises a row that has no usable custom_id), the message naming the
-line, the field and the value. The top-level ``error`` is null on every line: OpenAI fills it
-(with ``response`` null) only for a request that never got a response, such as one that expired,
-and batchgen writes no such line (a row it did not finish stays unwritten, for ``--resume``).
+line, the field and the value; a row the engine or the cluster failed is answered with a 500
+``server_error`` whose ``retryable`` is true (io/faults.py). The top-level ``error`` is null on
+every line: OpenAI fills it (with ``response`` null) only for a request that never got a
+response, such as one that expired, and batchgen writes no such line (a row it did not finish
+stays unwritten, for ``--resume``). The input may be several parts or compressed (io/source.py).
 """
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from batchgen.io.faults import fault_of
 from batchgen.io.logprobs import chat_logprobs, completion_logprobs
 from batchgen.io.params import FieldError, openai_fields
 from batchgen.io.request import NO_VALUE, Request, RowKey
 from batchgen.io.rows import RowContext, set_params, set_prompt
+from batchgen.io.source import Source
 
 if TYPE_CHECKING:
     from batchgen.outputs import RequestOutput
@@ -42,9 +46,9 @@ R = TypeVar("R", bound=Request)  # the row type a reader makes (an image job's a
 class OpenAIBatchReader:
     """Parses an input file lazily; ``requests(skip)`` yields the rows whose key is not in skip."""
 
-    def __init__(self, path: Path, ctx: RowContext, contexts: Mapping[str, RowContext] | None = None) -> None:
+    def __init__(self, path: Source | Path, ctx: RowContext, contexts: Mapping[str, RowContext] | None = None) -> None:
         """contexts: a multi-model job's models by name; each line's ``body.model`` picks one."""
-        self.path, self.ctx, self.contexts = path, ctx, contexts
+        self.path, self.ctx, self.contexts = as_source(path), ctx, contexts
 
     def count(self) -> int:
         return count_lines(self.path)
@@ -58,20 +62,24 @@ class OpenAIBatchReader:
             yield req
 
 
-def count_lines(path: Path) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for raw in f if raw.strip())
+def as_source(path: Source | Path | str) -> Source:
+    return path if isinstance(path, Source) else Source.open(path)
 
 
-def read_lines(path: Path, skip: set[RowKey] | frozenset[RowKey], row: type[R]) -> Iterator[tuple[R, dict[str, Any]]]:
-    """Each non-blank line whose key is not in ``skip``: its row (a ``row``, identified) and JSON."""
+def count_lines(path: Source | Path) -> int:
+    return sum(1 for raw in as_source(path).lines() if raw.strip())
+
+
+def read_lines(path: Source | Path, skip: set[RowKey] | frozenset[RowKey],
+               row: type[R]) -> Iterator[tuple[R, dict[str, Any]]]:
+    """Each non-blank line whose key is not in ``skip``: its row (a ``row``, identified) and JSON.
+    Line numbers run on across the parts of a multi-file input."""
     seen: dict[str, int] = {}  # custom_id -> first line; duplicates depend on the input only
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if raw.strip():
-                req, obj = identify(raw, number, seen, row)
-                if req.key not in skip:
-                    yield req, obj
+    for number, raw in enumerate(as_source(path).lines(), start=1):
+        if raw.strip():
+            req, obj = identify(raw, number, seen, row)
+            if req.key not in skip:
+                yield req, obj
 
 
 def identify(raw: bytes, number: int, seen: dict[str, int], row: type[R]) -> tuple[R, dict[str, Any]]:
@@ -171,12 +179,21 @@ def success_record(req: Request, out: RequestOutput, model: str,
 
 
 def error_record(req: Request) -> dict[str, Any]:
-    """A failed row: status 400 and the error under ``response.body.error``, as OpenAI writes a
-    request its API rejected; the top-level ``error`` stays null (see the module docstring)."""
+    """A failed row: the error under ``response.body.error``, as OpenAI writes a request its API
+    answered with an error; the top-level ``error`` stays null (see the module docstring).
+    Status 400 (``invalid_request_error``) for the request's own fault, 500 (``server_error``,
+    ``retryable``: true) for the engine's or cluster's (io/faults.py)."""
     assert req.error is not None
-    error = {"message": req.error.message, "type": "invalid_request_error",
-             "param": req.error.param, "code": req.error.code, "line": req.number}
-    return response_record(req, 400, {"error": error})
+    fault = fault_of(req.error.code)
+    error = {"message": req.error.message, "type": fault.type, "param": req.error.param,
+             "code": req.error.code, "line": req.number, "retryable": fault.retryable}
+    return response_record(req, fault.status, {"error": error})
+
+
+def is_retryable(record: dict[str, Any]) -> bool:
+    """Whether an output line is an error that ``--retry-errors`` runs again."""
+    error = record_error(record) or {}
+    return bool(error.get("retryable"))
 
 
 def record_error(record: dict[str, Any]) -> dict[str, Any] | None:

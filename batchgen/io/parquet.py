@@ -13,29 +13,46 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
 from batchgen.io.params import FIELD_NAMES, ROW_FIELDS
 from batchgen.io.request import Request, RowKey
 from batchgen.io.rows import RowContext, is_messages, set_params, set_prompt
+from batchgen.io.source import Source
 
+# The DataFrame path's names and types (batchgen.generate), so both write the same columns;
+# the token counts are the JSONL ``usage`` numbers.
 OUTPUT_COLUMNS = pa.schema([
-    ("generated_text", pa.string()), ("num_generated_tokens", pa.int64()),
-    ("finish_reason", pa.string()), ("error", pa.string()),
+    ("generated_text", pa.string()), ("finish_reason", pa.string()), ("error", pa.string()),
+    ("num_input_tokens", pa.int64()), ("num_generated_tokens", pa.int64()), ("num_cached_tokens", pa.int64()),
 ])
+_TOP = pa.struct([("token", pa.string()), ("logprob", pa.float64())])
+LOGPROBS_TYPE = pa.list_(pa.struct([("token", pa.string()), ("logprob", pa.float64()),
+                                    ("top_logprobs", pa.list_(_TOP))]))
+
+
+# whose fault a failed row is (io/faults.py): 200, 400 or 500, and whether --retry-errors reruns it
+STATUS_COLUMNS = pa.schema([("status_code", pa.int64()), ("retryable", pa.bool_())])
+
+
+def output_columns(logprobs: bool) -> pa.Schema:
+    """The columns a text job adds; ``logprobs`` only where a row may ask for them."""
+    lp = [pa.field("logprobs", LOGPROBS_TYPE)] if logprobs else []
+    return pa.schema([*OUTPUT_COLUMNS, *lp, *STATUS_COLUMNS])
 _PARAM_ALIASES = frozenset({"max_completion_tokens"})
 
 
 class ParquetReader:
-    """Rows of ``path`` as ``Request``s; the key of a row is its 0-based number."""
+    """Rows of ``path`` (a file, or a dataset of parts read in name order, hive partition
+    columns included) as ``Request``s; the key of a row is its 0-based number across parts."""
 
-    def __init__(self, path: Path, ctx: RowContext, *, prompt_column: str = "prompt",
+    def __init__(self, path: Source | Path, ctx: RowContext, *, prompt_column: str = "prompt",
                  id_column: str | None = None, param_columns: Mapping[str, str] | None = None,
                  per_row_params: bool = False, batch_rows: int = 1024) -> None:
-        self.path, self.ctx, self.batch_rows = path, ctx, batch_rows
+        self.path = path if isinstance(path, Source) else Source.open(path)
+        self.ctx, self.batch_rows = ctx, batch_rows
         self.prompt_column, self.id_column = prompt_column, id_column
-        self.schema = read_schema(path)
+        self.schema = read_schema(self.path)
         names = self.schema.names
         params = dict(param_columns or {})
         if per_row_params:
@@ -44,12 +61,13 @@ class ParquetReader:
         check_columns(path, names, prompt_column, id_column, params)
 
     def count(self) -> int:
-        return pq.ParquetFile(self.path).metadata.num_rows
+        return self.path.arrow_dataset().count_rows()
 
     def requests(self, skip: set[RowKey] | frozenset[RowKey] = frozenset()) -> Iterator[Request]:
         seen: dict[Any, int] = {}  # id -> first row
         number = 0
-        for batch in pq.ParquetFile(self.path).iter_batches(batch_size=self.batch_rows):
+        # in file order (fragments as listed), each file's rows in order: row numbers are stable
+        for batch in self.path.arrow_dataset().to_batches(batch_size=self.batch_rows, use_threads=False):
             for columns in batch.to_pylist():
                 req = self._identify(number, columns, seen)
                 if number not in skip:
@@ -82,14 +100,15 @@ class ParquetReader:
             set_prompt(req, prompt, self.prompt_column, self.ctx)
 
 
-def read_schema(path: Path) -> pa.Schema:
+def read_schema(path: Source | Path) -> pa.Schema:
+    source = path if isinstance(path, Source) else Source.open(path)
     try:
-        return pq.read_schema(path)
+        return source.arrow_dataset().schema
     except (OSError, pa.ArrowException) as exc:
-        raise BatchgenError(f"cannot read {path} as Parquet: {exc}") from None
+        raise BatchgenError(f"cannot read {source.loc.url} as Parquet: {exc}") from None
 
 
-def check_columns(path: Path, names: list[str], prompt_column: str, id_column: str | None,
+def check_columns(path: Any, names: list[str], prompt_column: str, id_column: str | None,
                   param_columns: Mapping[str, str]) -> None:
     """Fail fast, before any work, on a column that is missing or would be overwritten."""
     wanted = {prompt_column: "--prompt-column"}
@@ -102,8 +121,12 @@ def check_columns(path: Path, names: list[str], prompt_column: str, id_column: s
         wanted[column] = "--param-column"
     for column, flag in wanted.items():
         if column not in names:
-            raise BatchgenError(f"{flag}: {path} has no column {column!r} "
+            raise BatchgenError(f"{flag}: {_name(path)} has no column {column!r} "
                                 f"(columns: {', '.join(names)})")
     clash = [n for n in OUTPUT_COLUMNS.names if n in names]
     if clash:
-        raise BatchgenError(f"{path} already has output column(s) {clash}; rename them first")
+        raise BatchgenError(f"{_name(path)} already has output column(s) {clash}; rename them first")
+
+
+def _name(path: Any) -> str:
+    return path.loc.url if isinstance(path, Source) else str(path)

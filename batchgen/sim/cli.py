@@ -6,29 +6,50 @@ Parsers only here; the simulator is imported when a command runs. Bad input rais
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from ..config import size_arg
 from ..errors import PlanError
 
 # From this many rows `plan` spreads the simulated fleet over every core (parallel.py): below,
 # starting the processes costs about what they save.
 PARALLEL_ROWS = 50_000
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_size(text: str) -> int:
-    """'8GiB', '512MiB', '24GB', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 8GiB or 512MiB, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """'8GiB', '8G', '512MiB', '24GB', '1000000' -> bytes: ``batchgen run``'s parser (dask's units)."""
+    return size_arg(text)
+
+
+def _lengths_path(text: str) -> Path | str:
+    """A local path, or a URL kept as text (``Path`` would fold its ``//``)."""
+    return text if "://" in text and not text.startswith("file://") else Path(text.removeprefix("file://"))
+
+
+def _local_lengths(source: Path | str, stack: contextlib.ExitStack) -> Path:
+    """A --lengths URL copied into a temporary file (the simulator reads local files), kept
+    for as long as ``stack`` is open."""
+    if isinstance(source, Path):
+        return source
+    import shutil
+    import tempfile
+
+    from ..io.storage import locate, open_input
+
+    loc = locate(source, flag="--lengths")
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchgen-lengths-")))
+    name = loc.name.rsplit(".", 1)[0] if loc.name.lower().endswith((".gz", ".bz2", ".zst", ".xz")) else loc.name
+    local = folder / name
+    try:
+        with open_input(loc.fs, loc.path, loc.url, "--lengths") as src, open(local, "wb") as dst:
+            shutil.copyfileobj(src, dst, 8 << 20)
+    except FileNotFoundError:
+        raise PlanError(f"--lengths {source}: no such file") from None
+    return local
 
 
 def _worker_list(text: str) -> list[int]:
@@ -55,7 +76,8 @@ def add_commands(sub: Any) -> None:
                       "or a profile JSON from `batchgen bench --calibrate`")
     plan.add_argument("--model", metavar="DIR", help="model directory (its config.json gives the shapes) or "
                       "qwen3-30b-a3b, deepseek-v3, mixtral-8x7b (default for GPU profiles: qwen3-30b-a3b)")
-    plan.add_argument("--lengths", type=Path, metavar="FILE", help="Parquet/CSV/JSONL with prompt_tokens and "
+    plan.add_argument("--lengths", type=_lengths_path, metavar="FILE|URL", help="Parquet/CSV/JSONL (a path or an "
+                      "fsspec URL: s3://, gs://, http(s)://, ...) with prompt_tokens and "
                       "output_tokens columns (optional max_tokens), or an OpenAI batch file (needs --model DIR)")
     plan.add_argument("--workload", default="reasoning", choices=["reasoning", "summarization", "classification", "chat", "mixed"],
                       help="synthetic length model (default: reasoning); mixed: reasoning, chat and "
@@ -118,7 +140,9 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     if args.lengths is not None:
         if args.order is not None:
             raise PlanError(f"--order {args.order} orders a synthetic workload; a --lengths file runs in its own order")
-        workload = load_lengths(args.lengths, Path(args.model) if args.model else None, args.workload, args.seed)
+        with contextlib.ExitStack() as stack:
+            workload = load_lengths(_local_lengths(args.lengths, stack), Path(args.model) if args.model else None,
+                                    args.workload, args.seed)
         if args.rows is not None:
             if args.rows < 1:
                 raise PlanError(f"--rows must be >= 1, got {args.rows}")

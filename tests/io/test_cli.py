@@ -113,7 +113,7 @@ def test_overwrite_and_parquet(tmp_path: Path, model: Path, capsys: pytest.Captu
     src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
     pq.write_table(pa.table({"prompt": ["alpha beta", "gamma", ""], "k": [1, 2, 3]}), src)
     args = ["run", "--model", str(model), "--input", str(src), "--output", str(out),
-            "--max-tokens", "3", "--temperature", "0", "--progress", "off"]
+            "--max-tokens", "3", "--temperature", "0", "--progress", "off", "--max-error-rate", "0.5"]
     assert main(args) == 0
     assert main(args) == 2
     assert "already exists" in capsys.readouterr().err
@@ -138,7 +138,7 @@ def _fail_fast_cases(tmp_path: Path, model: Path) -> list[tuple[list[str], str]]
         (["--model", str(tmp_path), "--input", str(good), "--output", o], "config.json"),
         (["--model", m, "--input", str(tmp_path / "in.csv"), "--output", o], "extension"),
         (["--model", m, "--input", str(tmp_path / "missing.jsonl"), "--output", o], "no such file"),
-        (["--model", m, "--input", str(good), "--output", str(tmp_path / "o.parquet")], ".jsonl"),
+        (["--model", m, "--input", str(tmp_path / "t.parquet"), "--output", o], "written as Parquet"),
         (["--model", m, "--input", str(tmp_path / "bad.parquet"), "--output",
           str(tmp_path / "o.parquet")], "cannot read"),
         (["--model", m, "--input", str(tmp_path / "t.parquet"), "--output",

@@ -139,7 +139,7 @@ def _assert_openai_400(record: dict[str, Any], code: str, message: str, param: s
     assert record["response"]["status_code"] == 400
     assert record["response"]["body"] == {"error": {
         "message": message, "type": "invalid_request_error", "param": param, "code": code,
-        "line": line}}
+        "line": line, "retryable": False}}
     assert record_error(record) is record["response"]["body"]["error"]
 
 
@@ -264,7 +264,8 @@ def test_lone_surrogates_and_prompt_lists_fail_their_line_only(tmp_path, ) -> No
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
     run = subprocess.run([_sys.executable, "-m", "batchgen.cli", "run", "--model", str(model), "--input", str(src),
-                          "--output", str(out), "--progress", "off"], capture_output=True, text=True, timeout=120)
+                          "--output", str(out), "--progress", "off", "--max-error-rate", "1"],
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     rows = {r["custom_id"]: r for r in map(_json.loads, out.read_text().splitlines())}
     assert len(rows) == 5 and all(r["error"] is None for r in rows.values())
@@ -274,7 +275,7 @@ def test_lone_surrogates_and_prompt_lists_fail_their_line_only(tmp_path, ) -> No
 
 
 def test_null_content_is_a_field_error_for_non_assistant_messages() -> None:
-    from batchgen.io.rows import _message_problem
+    from batchgen.tokenizer import message_problem as _message_problem
 
     assert _message_problem([{"role": "user", "content": None}]) == \
         "messages[0].content must be a string or a list of text parts, got null"

@@ -24,6 +24,10 @@ from batchgen.io.rows import RowContext
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
+# the columns a text job adds (the DataFrame path's), then whose fault a failed row is
+OUTPUT_NAMES = ["generated_text", "finish_reason", "error", "num_input_tokens", "num_generated_tokens",
+                "num_cached_tokens", "status_code", "retryable"]
+
 CTX = RowContext(None, 320, 128, {"max_tokens": 4})  # token-id prompts need no tokenizer
 
 
@@ -91,8 +95,7 @@ def test_output_keeps_the_pandas_index(tmp_path: Path,
     pd.testing.assert_index_equal(got.index, want.index, exact=True)
     pd.testing.assert_frame_equal(got[want.columns], want)
     assert got["generated_text"].tolist() == [f"t{i + 1}" for i in range(len(df))]
-    assert list(got.columns) == [*want.columns, "generated_text", "num_generated_tokens",
-                                 "finish_reason", "error"]
+    assert list(got.columns) == [*want.columns, *OUTPUT_NAMES]
 
 
 def test_index_survives_interrupt_and_resume(tmp_path: Path) -> None:
@@ -129,8 +132,7 @@ def test_column_header_that_cannot_label_the_new_columns_is_dropped(tmp_path: Pa
     _run(src, out, prompt_column=names[0])
     got = pd.read_parquet(out)
     pd.testing.assert_index_equal(got.index, pd.read_parquet(src).index)
-    assert list(got.columns) == [*names[:2], "generated_text", "num_generated_tokens",
-                                 "finish_reason", "error"]
+    assert list(got.columns) == [*names[:2], *OUTPUT_NAMES]
     assert got[names[1]].tolist() == df.iloc[:, 1].tolist()
 
 

@@ -85,8 +85,9 @@ def test_parquet_parts_commit_in_input_order(tmp_path: Path) -> None:
     sink.commit()
     assert not parts_dir(path).exists()
     table = pq.read_table(path)
-    assert table.column_names == ["prompt", "tag", "generated_text", "num_generated_tokens",
-                                  "finish_reason", "error"]
+    assert table.column_names == ["prompt", "tag", "generated_text", "finish_reason", "error",
+                                  "num_input_tokens", "num_generated_tokens", "num_cached_tokens",
+                                  "status_code", "retryable"]
     rows = table.to_pylist()
     assert [r["tag"] for r in rows] == [0, 10, 20]
     assert rows[1]["finish_reason"] == "error" and rows[1]["error"].startswith("row 1: prompt=''")

@@ -22,6 +22,7 @@ LAYERS = {
     "batchgen.cluster": 4, "batchgen.io": 4,
     "batchgen.moa": 5, "batchgen.sim": 5, "batchgen.diffusion": 5, "batchgen.demo": 5,
     "batchgen.cli": 6,
+    "batchgen.__main__": 6,  # `python -m batchgen`: the CLI
 }
 FRONT = "batchgen"  # the package's __init__ re-exports the front ends' names (lazily)
 HEAVY = ("torch", "distributed", "dask", "cupy", "triton")
