@@ -1,12 +1,24 @@
 """batchgen: batch (offline) inference of Mixture-of-Experts LLMs, built on Dask.
 
 Names load lazily, so the torch-free parts (batchgen.runtime.policy, .sequence, .kv_cache,
-batchgen.sampling_params) import without pulling in torch.
+batchgen.sampling_params) import without pulling in torch. Type checkers and IDEs read the
+same names from the TYPE_CHECKING imports below.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchgen.cluster.client import connect
+    from batchgen.cluster.generate import generate, output_meta
+    from batchgen.config import EngineConfig
+    from batchgen.diffusion.frame import diffuse
+    from batchgen.engine import Engine
+    from batchgen.errors import BatchgenError, ModelLoadError, RequestError, StateError, UnsupportedModelError
+    from batchgen.outputs import RequestOutput
+    from batchgen.sampling_params import SamplingParams
+    from batchgen.structured.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -21,7 +33,9 @@ _EXPORTS = {
     "RequestError": "batchgen.errors",
     "StateError": "batchgen.errors",
     "UnsupportedModelError": "batchgen.errors",
+    "connect": "batchgen.cluster.client",
     "generate": "batchgen.cluster.generate",
+    "output_meta": "batchgen.cluster.generate",
     "diffuse": "batchgen.diffusion.frame",
 }
 

@@ -1,7 +1,13 @@
-"""tokenizer.json through `tokenizers`; special tokens and the chat template from tokenizer_config.json."""
+"""tokenizer.json through `tokenizers`; special tokens and the chat template from tokenizer_config.json.
+
+Chat messages are checked and rendered here, once for every front end (batch files, DataFrames,
+`Engine.chat`), so a conversation becomes the same token ids whichever way it arrives.
+"""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -118,13 +124,85 @@ class Tokenizer:
             return full[len(known):], read_offset, len(ids)
         return "", prefix_offset, read_offset
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **chat_template_kwargs: Any) -> str:
+        """chat_template_kwargs: extra template variables (Qwen3's `enable_thinking`), as
+        transformers' and vLLM's `chat_template_kwargs`; they override the special tokens."""
         if not self.chat_template:
             raise RequestError("messages: this model has no chat_template in tokenizer_config.json; "
                                "send a plain prompt instead")
         specials = {k: _token_text(v) or "" for k, v in self.config.items() if k.endswith("_token")}
+        variables = {**specials, **chat_template_kwargs, "messages": messages,
+                     "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           **specials)
+            return self._template().render(**variables)
+        except RequestError:
+            raise
         except jinja2.TemplateError as exc:
             raise RequestError(f"messages: chat template failed: {exc}") from exc
+
+    def chat_ids(self, chat: ChatPrompt) -> list[int]:
+        """A conversation's prompt token ids: checked, rendered by the chat template, then encoded
+        without special tokens (the template writes them). RequestError names the bad field."""
+        check_chat(chat)
+        flat = [{**m, "content": _flatten(m.get("content"))} for m in chat.messages]
+        try:
+            text = self.apply_chat_template(flat, chat.add_generation_prompt, **(chat.chat_template_kwargs or {}))
+        except RequestError:
+            raise
+        except Exception as exc:  # user data through the model's template: any failure is this row's
+            raise RequestError(f"messages: chat template failed: {exc}") from exc
+        return self.encode(text, add_special_tokens=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """One conversation as a prompt: rendered by the model's chat template where it is admitted
+    (the engine that runs it), so it travels as plain data."""
+
+    messages: list[Any]
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Mapping[str, Any] | None = field(default=None)
+
+
+def check_chat(chat: ChatPrompt) -> None:
+    """RequestError naming the field and the value of what no template could render."""
+    problem = message_problem(chat.messages)
+    if problem:
+        raise RequestError(problem)
+    kwargs = chat.chat_template_kwargs
+    if kwargs is not None and (not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs)):
+        raise RequestError(f"chat_template_kwargs must be an object with string keys, got {_show(kwargs)}")
+    if not isinstance(chat.add_generation_prompt, bool):
+        raise RequestError(f"add_generation_prompt must be true or false, got {_show(chat.add_generation_prompt)}")
+
+
+def message_problem(messages: Any) -> str | None:
+    """What is wrong with a list of chat messages (None: nothing), naming the message and field."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        return f"messages must be a non-empty list of messages, got {_show(messages)}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            return f"messages[{i}] must be an object with a string 'role', got {_show(m)}"
+        content = m.get("content")
+        if content is None and m["role"] != "assistant":  # only an assistant turn (tool calls) may omit it
+            return f"messages[{i}].content must be a string or a list of text parts, got null"
+        if not (content is None or isinstance(content, str) or _is_text_parts(content)):
+            return f"messages[{i}].content must be a string or a list of text parts, got {_show(content)}"
+    return None
+
+
+def _flatten(content: Any) -> Any:
+    # Text parts become one string, as vLLM does for templates that expect a string.
+    return "".join(p["text"] for p in content) if isinstance(content, (list, tuple)) else content
+
+
+def _is_text_parts(content: Any) -> bool:
+    return isinstance(content, (list, tuple)) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content)
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,5 +1,5 @@
 """The Engine API on the trained demo model (it normalizes messy dates to YYYY-MM-DD): batch
-generate, per-row sampling, a bad row failing alone, suspend/resume.
+generate, per-row sampling, a bad row failing alone, chat messages, suspend/resume.
 
     python examples/engine_basic.py [MODEL_DIR]
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from batchgen import Engine, SamplingParams
-from batchgen.demo import DEMO_MAX_TOKENS, DEMO_PROMPT, demo_model_dir
+from batchgen.demo import DEMO_INSTRUCTION, DEMO_MAX_TOKENS, DEMO_PROMPT, demo_model_dir
 
 
 def main() -> None:
@@ -21,6 +21,13 @@ def main() -> None:
               greedy, greedy]
     for prompt, out in zip(texts + ["(empty)"], engine.generate(prompts, params)):
         print(f"{prompt!r:26} -> {out.finish_reason:6} {out.error or repr(out.text)}")
+
+    # Chat messages, as vLLM's LLM.chat: the model's chat template renders them (the demo prompt
+    # above is that template applied by hand, so the answers agree)
+    chats = [[{"role": "user", "content": DEMO_INSTRUCTION.format(text=t)}] for t in texts[:2]]
+    for conversation, out in zip(chats, engine.chat(chats, greedy)):
+        print(f"chat {conversation[0]['content']!r} -> {out.finish_reason} {out.text!r} "
+              f"({out.num_prompt_tokens} prompt tokens)")
 
     # A coroutine leaves one engine mid-generation and finishes in another with the same tokens.
     prompt = DEMO_PROMPT.format(text="the 3rd of August, 1961")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ModelLoadError
 from ..io.cells import is_na
 from ..outputs import RequestOutput
+from ..models.hub import is_hub_id
 from .spec import EngineSpec
 from .task import this_host, wait_for
 
@@ -51,7 +52,7 @@ def spec_for_meta(models: Mapping[str, str | Path], options: Mapping[str, Any]) 
         raise TypeError("with model_column, model must be a non-empty mapping of name -> model directory")
     specs = {str(n): EngineSpec.make(p, options) for n, p in models.items()}
     for name, spec in specs.items():  # every model, not only those this partition's rows name
-        if not Path(spec.model, "config.json").is_file():
+        if not is_hub_id(spec.model) and not Path(spec.model, "config.json").is_file():
             raise ModelLoadError(f"model {name!r}: {spec.model} is not a model directory (no config.json)")
     return specs
 

@@ -1,36 +1,46 @@
 """pandas in, pandas out: rows -> (prompt, SamplingParams), outputs -> added columns; meta calls.
 
-Dask infers a mapped function's output schema by calling it once on fake rows unless `meta=`
-is given: `map_partitions` runs `emulate(func, meta_nonempty(ddf._meta), ...)`
-(dask/dataframe/dask_expr/_expr.py; `_emulate` in older releases), where `meta_nonempty` makes
-two rows of placeholder values ("a"/<NA> for strings, 1 for ints) on an index like [1, 2].
-`is_meta_call` recognises that call without loading a model: the call stack holds a frame of
-a function named `emulate` or `_emulate` from a `dask` module (a task on a worker or a plain
-call never runs inside it). Rows are never judged by their values: a user's frame that happens
-to look like dask's fake rows is real data. Should a future dask rename `emulate`, pass `meta=`
-(or use `batchgen.cluster.generate_dataframe`, which does).
-
-The answer to a meta call is the input rows plus the output columns with their final dtypes.
+Dask infers a mapped function's output schema by calling it once on fake rows unless `meta=` is
+given. `is_meta_partition` recognises that call by what Dask documents: a real partition task
+of `map_partitions` is handed `partition_info` (a function with that keyword gets it), the
+inference call is not, and its rows are `dask.dataframe.utils.meta_nonempty` of the frame's
+schema. A user's own call with such placeholder rows reads the same; pass `partition_info` (any
+dict) to have it run, or give Dask `meta=batchgen.output_meta(ddf, ...)` and no inference call
+is made. See docs/guides/chat-dataframe.md.
 """
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import pandas as pd
 
+from ..errors import RequestError
 from ..io.cells import plain, whole_floats_to_int
-from ..io.params import INT_FIELDS, INT_LIST_FIELDS
-from ..outputs import RequestOutput
+from ..io.params import CHAT_TEMPLATE_KWARGS, INT_FIELDS, INT_LIST_FIELDS, FieldError, chat_template_kwargs
+from ..io.rows import messages_from_cell
 from ..sampling_params import SamplingParams
 from ..structured.params import StructuredOutputsParams
+from ..tokenizer import ChatPrompt
+from .output_columns import BASE_COLUMNS
 
-OUTPUT_COLUMNS = ("generated_text", "num_generated_tokens", "finish_reason", "error")
-_EMULATE = frozenset({"emulate", "_emulate"})
+OUTPUT_COLUMNS = BASE_COLUMNS  # the columns every generate call adds (logprobs only when asked for)
+
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 JSON_SCHEMA = "json_schema"  # per_row key: a column of JSON schemas (objects or JSON text)
+ROW_KEYS = _SAMPLING_FIELDS | {JSON_SCHEMA, CHAT_TEMPLATE_KWARGS}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How a messages column becomes prompts: the template's variables and whether the
+    assistant turn is opened (as vLLM's and transformers' `add_generation_prompt`)."""
+
+    column: str
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    add_generation_prompt: bool = True
 
 
 def text_dtype() -> Any:
@@ -38,41 +48,67 @@ def text_dtype() -> Any:
     return pd.Series(["x"]).dtype
 
 
-def is_meta_call(max_depth: int = 64) -> bool:
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            break
-        if frame.f_code.co_name in _EMULATE and str(frame.f_globals.get("__name__", "")).startswith("dask"):
-            return True
-        frame = frame.f_back
-    return False
+def is_meta_partition(pdf: pd.DataFrame, partition_info: Mapping[str, Any] | None) -> bool:
+    """Whether `pdf` is Dask's meta inference call (see the module docstring); no model is needed."""
+    if partition_info is not None or len(pdf) == 0 or _in_dask_task():
+        return False
+    from dask.dataframe.utils import meta_nonempty
+
+    fake = meta_nonempty(pdf.iloc[:0])  # cheap: a few rows from the schema alone
+    return bool(len(fake) == len(pdf) and fake.index.equals(pdf.index) and (fake.dtypes == pdf.dtypes).all()
+                and fake.equals(pdf))
 
 
-def check_columns(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, str]) -> None:
-    """Raise (before any work) when a named column is missing or a per_row key is no sampling field."""
-    if prompt_column not in pdf.columns:
+def _in_dask_task() -> bool:
+    """A distributed worker's task thread: never the client's inference call."""
+    distributed = sys.modules.get("distributed.worker")
+    return distributed is not None and getattr(distributed.thread_state, "key", None) is not None
+
+
+def check_columns(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, str],
+                  chat: ChatOptions | None = None) -> None:
+    """Raise (before any work) when a named column is missing or a per_row key is unknown."""
+    if chat is not None:
+        if chat.column not in pdf.columns:
+            raise KeyError(f"messages_column {chat.column!r} is not a column of the partition; "
+                           f"columns: {list(pdf.columns)}")
+        if not isinstance(chat.add_generation_prompt, bool):
+            raise TypeError(f"add_generation_prompt must be True or False, got {chat.add_generation_prompt!r}")
+        if chat.chat_template_kwargs is not None:
+            try:
+                chat_template_kwargs(chat.chat_template_kwargs)
+            except FieldError as exc:
+                raise TypeError(str(exc)) from None
+    elif prompt_column not in pdf.columns:
         raise KeyError(f"prompt_column {prompt_column!r} is not a column of the partition; "
                        f"columns: {list(pdf.columns)}")
     for name, column in per_row.items():
-        if name not in _SAMPLING_FIELDS and name != JSON_SCHEMA:
-            raise TypeError(f"per_row key {name!r} is not a SamplingParams field or {JSON_SCHEMA!r}; "
-                            f"known: {sorted(_SAMPLING_FIELDS)}")
+        if name not in ROW_KEYS:
+            raise TypeError(f"per_row key {name!r} is not a SamplingParams field, {JSON_SCHEMA!r} or "
+                            f"{CHAT_TEMPLATE_KWARGS!r}; known: {sorted(_SAMPLING_FIELDS)}")
+        if name == CHAT_TEMPLATE_KWARGS and chat is None:
+            raise TypeError(f"per_row key {CHAT_TEMPLATE_KWARGS!r} needs messages_column (it shapes chat prompts)")
         if column not in pdf.columns:
             raise KeyError(f"per_row maps {name!r} to column {column!r}, which the partition does not have; "
                            f"columns: {list(pdf.columns)}")
 
 
-def read_requests(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, str],
-                  base: SamplingParams) -> list[tuple[Any, SamplingParams]]:
+def read_requests(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, str], base: SamplingParams,
+                  chat: ChatOptions | None = None) -> list[tuple[Any, SamplingParams]]:
     """One (prompt, params) per row, in row order. Missing per-row values (NA) keep `base`'s.
 
     Values are made plain Python by the one cell conversion file rows use too (io/cells.py):
     numpy scalars, arrays -> lists, a whole-number float for an integer field (a column with NA
     is float) -> an int. Anything else is left for the engine to reject, so only that row fails.
+    With `chat`, a row's prompt is a ChatPrompt; a cell that holds no messages at all is a
+    RequestError in the prompt's place (see `split_failed`).
     """
-    prompts = [v if isinstance(v, str) else plain(v) for v in pdf[prompt_column].tolist()]  # NA -> None:
-    columns = {name: pdf[col].tolist() for name, col in per_row.items()}  # the engine fails that row
+    if chat is None:  # NA -> None: the engine fails that row
+        prompts = [v if isinstance(v, str) else plain(v) for v in pdf[prompt_column].tolist()]
+    else:
+        prompts = [_chat_prompt(cell, kwargs, chat) for cell, kwargs in
+                   zip(pdf[chat.column].tolist(), _row_kwargs(pdf, per_row))]
+    columns = {name: pdf[col].tolist() for name, col in per_row.items() if name != CHAT_TEMPLATE_KWARGS}
     requests: list[tuple[Any, SamplingParams]] = []
     for i, prompt in enumerate(prompts):
         overrides = {}
@@ -88,6 +124,33 @@ def read_requests(pdf: pd.DataFrame, prompt_column: str, per_row: Mapping[str, s
     return requests
 
 
+def _row_kwargs(pdf: pd.DataFrame, per_row: Mapping[str, str]) -> list[Any]:
+    column = per_row.get(CHAT_TEMPLATE_KWARGS)
+    return [None] * len(pdf) if column is None else pdf[column].tolist()
+
+
+def _chat_prompt(cell: Any, row_kwargs: Any, chat: ChatOptions) -> ChatPrompt | RequestError:
+    """The row's conversation with the job's template variables under its own (a null cell
+    keeps the job's)."""
+    try:
+        messages = messages_from_cell(cell)
+        kwargs = dict(chat.chat_template_kwargs or {})
+        row_kwargs = plain(row_kwargs)
+        if row_kwargs is not None:
+            kwargs.update(chat_template_kwargs(row_kwargs))
+    except (RequestError, FieldError) as exc:
+        return RequestError(str(exc))
+    return ChatPrompt(messages, chat.add_generation_prompt, kwargs or None)
+
+
+def split_failed(requests: list[tuple[Any, SamplingParams]]
+                 ) -> tuple[list[int], list[tuple[Any, SamplingParams]], dict[int, str]]:
+    """(positions that run, their requests, position -> error of those that cannot)."""
+    failed = {i: str(p) for i, (p, _) in enumerate(requests) if isinstance(p, RequestError)}
+    keep = [i for i in range(len(requests)) if i not in failed]
+    return keep, [requests[i] for i in keep], failed
+
+
 def with_schema(job: StructuredOutputsParams | None, schema: Any) -> StructuredOutputsParams:
     """A row's json_schema cell as its constraint, keeping the job's structured_outputs options.
     A bad schema (not JSON, not compilable) is judged by the engine, so only that row fails."""
@@ -96,27 +159,3 @@ def with_schema(job: StructuredOutputsParams | None, schema: Any) -> StructuredO
     if job is None:
         return StructuredOutputsParams(json=schema)
     return replace(job, json=schema, regex=None, choice=None, grammar=None, json_object=None)
-
-
-def output_frame(pdf: pd.DataFrame, outputs: list[RequestOutput]) -> pd.DataFrame:
-    """The input rows (same index, same order) with the four output columns added."""
-    errors = [None if o.error is None else f"row {idx}: {o.error}" for idx, o in zip(pdf.index, outputs)]
-    return _with_columns(pdf, [o.text for o in outputs], [o.num_generated_tokens for o in outputs],
-                         [o.finish_reason for o in outputs], errors)
-
-
-def placeholder_output(pdf: pd.DataFrame) -> pd.DataFrame:
-    """Schema answer for a meta call or an empty partition: no model is touched."""
-    n = len(pdf)
-    return _with_columns(pdf, [""] * n, [0] * n, ["length"] * n, [None] * n)
-
-
-def _with_columns(pdf: pd.DataFrame, text: list[str], num: list[int], reason: list[str],
-                  error: list[str | None]) -> pd.DataFrame:
-    dtype = text_dtype()
-    return pdf.assign(
-        generated_text=pd.Series(text, index=pdf.index, dtype=dtype),
-        num_generated_tokens=pd.Series(num, index=pdf.index, dtype="int64"),
-        finish_reason=pd.Series(reason, index=pdf.index, dtype=dtype),
-        error=pd.Series(error, index=pdf.index, dtype=dtype),
-    )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
+from ..models.hub import is_hub_id
 
 if TYPE_CHECKING:
     from ..engine.protocol import CoroutineEngine
@@ -26,7 +27,7 @@ TEXT_ENGINE = "batchgen.engine:Engine"
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
-    model: str  # absolute model directory
+    model: str  # absolute model directory, or a Hugging Face Hub id each host resolves itself
     options: tuple[tuple[str, Any], ...] = ()  # sorted keyword arguments of the engine class
     factory: str = TEXT_ENGINE
 
@@ -36,14 +37,16 @@ class EngineSpec:
         """Check option names against `known` (EngineConfig's fields for the text engine;
         TypeError naming an unknown one)."""
         if not isinstance(model, (str, Path)):
-            raise TypeError(f"model must be a model directory (str or Path), got {type(model).__name__}")
+            raise TypeError(f"model must be a model directory or a Hugging Face Hub id (str or Path), "
+                            f"got {type(model).__name__}")
         options = dict(options or {})
         for name in options:
             if name not in known:
                 close = difflib.get_close_matches(name, sorted(known), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise TypeError(f"unknown engine option {name!r}{hint}; known: {sorted(known)}")
-        path = str(Path(model).expanduser().absolute())
+        # a hub id stays an id: each worker finds its own cache (models/hub.py), never the client's
+        path = str(model) if is_hub_id(model) else str(Path(model).expanduser().absolute())
         return cls(path, tuple(sorted(options.items())), factory)
 
     @property

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..cluster.frame import is_meta_call
+from ..cluster.frame import is_meta_partition
 from ..cluster.generate import run_requests
 from ..cluster.prestart import prestart
 from ..io.cells import plain, whole_floats_to_int
@@ -29,12 +30,15 @@ FIELDS = ("prompt", "class_label", "height", "width", "num_inference_steps", "gu
 
 
 def diffuse(pdf: pd.DataFrame, *, model: str | Path, output_dir: str | Path,
-            engine_options: dict[str, Any] | None = None, **defaults: Any) -> pd.DataFrame:
+            engine_options: dict[str, Any] | None = None, partition_info: Mapping[str, Any] | None = None,
+            **defaults: Any) -> pd.DataFrame:
     """Generate one image per row of `pdf`, write it to `output_dir` as PNG.
 
     Returns `pdf` (same index and order) plus `image_path` (str, NA on error) and `error` (NA, or
     the message naming the row, the field and the value). A bad row fails alone; a model that
-    cannot load raises. defaults: ImageRequest fields for rows that do not give them."""
+    cannot load raises. defaults: ImageRequest fields for rows that do not give them.
+    partition_info: Dask's, for each real partition (its meta inference call gets none, and is
+    answered without the model: cluster/frame.is_meta_partition)."""
     import pandas as pd
 
     unknown = sorted(set(defaults) - set(FIELDS))
@@ -42,7 +46,7 @@ def diffuse(pdf: pd.DataFrame, *, model: str | Path, output_dir: str | Path,
         raise TypeError(f"diffuse() got unknown keyword {unknown[0]!r} (ImageRequest fields: {', '.join(FIELDS)})")
     spec = image_spec(model, engine_options)
     out = pdf.copy()
-    meta = is_meta_call()
+    meta = is_meta_partition(pdf, partition_info)
     if meta:
         prestart(spec)  # graph construction on the client: workers load the pipeline now
     if len(pdf) == 0 or meta:

@@ -10,12 +10,13 @@ suspend / resume (coroutine state to bytes and back), stats. The work is done by
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence as Seq
+from collections.abc import Iterable, Iterator, Mapping, Sequence as Seq
 from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig
 from ..malloc import restore_heap_reuse
+from ..models.hub import model_dir
 from ..models.info import ModelInfo
 from ..models.model import Model
 from ..offload import StoreOptions
@@ -29,6 +30,7 @@ from ..runtime.stats import RuntimeStats
 from ..runtime.suspend import CoroutineCodec
 from ..sampling_params import SamplingParams
 from ..structured.rows import RowGrammars
+from ..tokenizer import ChatPrompt
 from . import report
 from .core import Pace, StepLoop
 from .device import device_class, kv_budget
@@ -42,12 +44,13 @@ from .swap import HostKV
 class Engine:
     def __init__(self, model: str | Path, *, dtype: str | None = None, device: str | None = None,
                  **config_overrides: Any) -> None:
-        """dtype/device None: dask.config `batchgen.dtype`/`batchgen.device`, else "auto" (the
+        """model: a model directory or a Hugging Face Hub id (`org/name`, `org/name@revision`).
+        dtype/device None: dask.config `batchgen.dtype`/`batchgen.device`, else "auto" (the
         checkpoint's dtype on CUDA, float32 on CPU) / cuda when available."""
         self.config = c = EngineConfig.from_kwargs(dtype=dtype, device=device, **config_overrides)
         if c.restore_heap_reuse:
             restore_heap_reuse()  # process-wide, once: see malloc.py (Dask workers run 1.34x slower without)
-        path = Path(model).expanduser()
+        path = model_dir(model)  # a Hugging Face id becomes its cached snapshot (downloaded once per host)
         self.model = Model.load(path, c.dtype, c.device, c.expert_memory_bytes, c.expert_host_memory_bytes,
                                 StoreOptions(c.expert_eviction, c.expert_prefetch, c.expert_io_threads,
                                              c.expert_overlap_reads))
@@ -150,6 +153,20 @@ class Engine:
         for i, out in self.stream(prompts, sampling):
             outs[i] = out
         return outs  # type: ignore[return-value]
+
+    def chat(self, conversations: Seq[Any] | Seq[Seq[Any]],
+             sampling: SamplingParams | Seq[SamplingParams] | None = None, *,
+             chat_template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True
+             ) -> list[RequestOutput]:
+        """As vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a
+        list of them, rendered by the model's chat template with `chat_template_kwargs` (e.g.
+        {"enable_thinking": False}); outputs in input order. A malformed conversation fails
+        alone (finish_reason 'error', the message naming the field)."""
+        one = bool(conversations) and isinstance(conversations[0], Mapping)
+        batch = [conversations] if one else list(conversations)
+        prompts = [ChatPrompt(list(c) if isinstance(c, (list, tuple)) else c, add_generation_prompt,
+                              chat_template_kwargs) for c in batch]
+        return self.generate(prompts, sampling)
 
     # -- coroutine API ----------------------------------------------------------------------------
     def get(self, seq_id: SeqId) -> Sequence:

@@ -13,9 +13,9 @@ from ..runtime.requests import check_length, check_params, prompt_to_ids
 from ..runtime.sequence import SeqId, Sequence
 from ..sampling_params import SamplingParams
 from ..structured.rows import RowGrammars
-from ..tokenizer import Tokenizer
+from ..tokenizer import ChatPrompt, Tokenizer, check_chat
 
-Prompt = str | list[int]
+Prompt = str | list[int] | ChatPrompt  # a conversation is rendered by this engine's chat template
 
 
 class Intake:
@@ -36,7 +36,7 @@ class Intake:
         seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else self._rng.getrandbits(63)
         try:
             params = check_params(params, self.vocab_size)
-            ids = prompt_to_ids(prompt, self.tokenizer, self.vocab_size)
+            ids = self.prompt_ids(prompt)
             check_length(len(ids), params, self.max_model_len, self.pool_tokens)
             self.grammars.check(params)  # compiled once per distinct spec
         except RequestError as exc:
@@ -44,6 +44,14 @@ class Intake:
             seq.finish("error", str(exc))
             return seq
         return Sequence(seq_id, index, ids, params, seed, logprobs=[] if params.logprobs is not None else None)
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, ChatPrompt):
+            return prompt_to_ids(prompt, self.tokenizer, self.vocab_size)
+        check_chat(prompt)  # a malformed conversation is named even where no tokenizer ships
+        if self.tokenizer is None:
+            raise RequestError("messages: this model directory has no tokenizer.json")
+        return prompt_to_ids(self.tokenizer.chat_ids(prompt), self.tokenizer, self.vocab_size)
 
     def check_resumable(self, seq: Sequence) -> None:
         """Raise RequestError where a coroutine cannot continue here: this engine's context and

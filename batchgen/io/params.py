@@ -8,6 +8,7 @@ nothing we do not do (``stream: false``, ``n: 1``).
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Mapping
 from typing import Any, get_type_hints
 
@@ -29,8 +30,11 @@ _OPENAI_IGNORED = frozenset({
 })
 _PROMPT_FIELDS = frozenset({"prompt", "messages"})
 FIELD_NAMES = frozenset(SamplingParams.__dataclass_fields__)
-# Per-row fields that are not SamplingParams fields: a JSON schema column (io/structured.py)
-ROW_FIELDS = FIELD_NAMES | {JSON_SCHEMA}
+# Template variables of a chat row (vLLM's body field): they shape the prompt, not the sampling
+CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"
+# Per-row fields that are not SamplingParams fields: a JSON schema column (io/structured.py),
+# chat template variables
+ROW_FIELDS = FIELD_NAMES | {JSON_SCHEMA, CHAT_TEMPLATE_KWARGS}
 _ALIASES = frozenset({"max_completion_tokens", "top_logprobs"})  # see SamplingParams.from_mapping
 _HINTS = get_type_hints(SamplingParams)
 INT_FIELDS = frozenset({n for n, t in _HINTS.items() if t in (int, int | None)} | _ALIASES)
@@ -70,8 +74,8 @@ def openai_fields(body: Mapping[str, Any]) -> dict[str, Any]:
                     "unsupported_value", describe("not supported by batchgen", param, value),
                     param))
             continue
-        if name not in FIELD_NAMES and name not in _ALIASES:
-            known = sorted(FIELD_NAMES | _ALIASES | _OPENAI_NEUTRAL.keys() | _OPENAI_IGNORED)
+        if name not in FIELD_NAMES and name not in _ALIASES and name != CHAT_TEMPLATE_KWARGS:
+            known = sorted(FIELD_NAMES | _ALIASES | _OPENAI_NEUTRAL.keys() | _OPENAI_IGNORED | {CHAT_TEMPLATE_KWARGS})
             close = difflib.get_close_matches(name, known, n=1)
             reason = "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
             raise FieldError(RowError("unknown_field", describe(reason, "body." + name, value),
@@ -103,3 +107,20 @@ def make_params(defaults: Mapping[str, Any], fields: Mapping[str, Any],
         param = prefix + name if name in FIELD_NAMES else None
         raise FieldError(RowError("invalid_value", prefix + problem, param))
     return params
+
+
+def chat_template_kwargs(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A row's (or the job's) chat template variables: an object, or its JSON text (a Parquet
+    string column). Null members are dropped: null means "the template's default", as a null
+    cell does everywhere else. Raises ``FieldError`` naming the field and the value."""
+    param = prefix + CHAT_TEMPLATE_KWARGS
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise FieldError(RowError("invalid_value", describe(f"not valid JSON ({exc})", param, value),
+                                      param)) from None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise FieldError(RowError("invalid_value", describe("must be an object with string keys", param, value),
+                                  param))
+    return {k: v for k, v in value.items() if v is not None}

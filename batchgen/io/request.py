@@ -43,6 +43,7 @@ class Request:
     error: RowError | None = None
     custom_id: str | None = None  # JSONL only
     chat: bool = False  # the prompt is chat messages, rendered by the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's extra variables (chat rows)
     columns: dict[str, Any] = field(default_factory=dict)  # Parquet: the row's input columns
     model: str | None = None  # multi-model jobs: the name of the model this row runs on
 
@@ -61,6 +62,7 @@ class Request:
         self.error = RowError(error.code, f"{self.where}: {error.message}", error.param)
         self.params = None
         self.prompt_token_ids = None
+        self.chat_template_kwargs = None
         return self
 
 

@@ -6,17 +6,18 @@ does not fit the context fail with its line number before any generation is spen
 """
 from __future__ import annotations
 
+import ast
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from batchgen.errors import RequestError
-from batchgen.io.params import FieldError, make_params
+from batchgen.io.cells import plain
+from batchgen.io.params import CHAT_TEMPLATE_KWARGS, FieldError, chat_template_kwargs, make_params
 from batchgen.io.request import Request, RowError, show
 from batchgen.runtime.requests import check_length, prompt_to_ids
-
-if TYPE_CHECKING:
-    from batchgen.tokenizer import Tokenizer
+from batchgen.tokenizer import ChatPrompt, Tokenizer, check_chat
 
 
 @dataclass(slots=True)
@@ -31,8 +32,17 @@ class RowContext:
 
 def set_params(req: Request, fields: Mapping[str, Any], ctx: RowContext,
                prefix: str = "") -> None:
+    """``chat_template_kwargs`` (the row's, else the job's in ``ctx.defaults``) is kept on the
+    row for ``set_prompt``: it shapes the prompt, not the sampling."""
+    fields, defaults = dict(fields), dict(ctx.defaults)
+    job_kwargs = defaults.pop(CHAT_TEMPLATE_KWARGS, None)
+    row_kwargs = fields.pop(CHAT_TEMPLATE_KWARGS, None)
     try:
-        req.params = make_params(ctx.defaults, fields, ctx.vocab_size, prefix)
+        kwargs = chat_template_kwargs(row_kwargs, prefix) if row_kwargs is not None else None
+        if job_kwargs is not None:
+            kwargs = {**chat_template_kwargs(job_kwargs, ""), **(kwargs or {})}
+        req.chat_template_kwargs = kwargs
+        req.params = make_params(defaults, fields, ctx.vocab_size, prefix)
     except FieldError as exc:
         req.fail_with(exc.error)
 
@@ -42,7 +52,7 @@ def set_prompt(req: Request, value: Any, param: str, ctx: RowContext) -> None:
     Call after ``set_params``: whether the prompt fits depends on them."""
     assert req.params is not None
     try:
-        ids = (_chat_ids(value, ctx) if req.chat
+        ids = (_chat_ids(value, req, ctx) if req.chat
                else prompt_to_ids(value, ctx.tokenizer, ctx.vocab_size))
     except RequestError as exc:
         req.fail_with(RowError("invalid_prompt", _renamed(str(exc), param), param))
@@ -73,43 +83,35 @@ def is_messages(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], Mapping)
 
 
-def _chat_ids(messages: Any, ctx: RowContext) -> list[int]:
-    problem = _message_problem(messages)
-    if problem:
-        raise RequestError(problem)
+def _chat_ids(messages: Any, req: Request, ctx: RowContext) -> list[int]:
+    chat = ChatPrompt(messages, True, req.chat_template_kwargs)
+    check_chat(chat)  # before the tokenizer: a malformed row is named even where none ships
     if ctx.tokenizer is None:
         raise RequestError("messages: this model directory has no tokenizer.json")
-    flat = [{**m, "content": _flatten(m.get("content"))} for m in messages]
+    return ctx.tokenizer.chat_ids(chat)
+
+
+def messages_from_cell(value: Any) -> Any:
+    """A DataFrame or file cell of chat messages as Python: a list (pandas objects, a pyarrow
+    list<struct<role, content>>), or its JSON text. Raises RequestError for a null or for text
+    that is no JSON; the shape itself is judged where the conversation is rendered."""
+    value = plain(value)
+    if value is None:
+        raise RequestError("messages: missing (null)")
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [dict(m) if isinstance(m, Mapping) else plain(m) for m in value]
+    if not isinstance(value, str):
+        return value  # judged (and named) where the conversation is rendered
     try:
-        text = ctx.tokenizer.apply_chat_template(flat)
-    except RequestError:
-        raise
-    except Exception as exc:  # user data through the model's template: any failure is this row's
-        raise RequestError(f"messages: chat template failed: {exc}") from exc
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
-
-
-def _message_problem(messages: Any) -> str | None:
-    if not isinstance(messages, (list, tuple)) or not messages:
-        return f"messages must be a non-empty list of messages, got {show(messages)}"
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            return f"messages[{i}] must be an object with a string 'role', got {show(m)}"
-        content = m.get("content")
-        if content is None and m["role"] != "assistant":  # only an assistant turn (tool calls) may omit it
-            return f"messages[{i}].content must be a string or a list of text parts, got null"
-        if not (content is None or isinstance(content, str) or _is_text_parts(content)):
-            return (f"messages[{i}].content must be a string or a list of text parts, "
-                    f"got {show(content)}")
-    return None
-
-
-def _flatten(content: Any) -> Any:
-    # Text parts become one string, as vLLM does for templates that expect a string.
-    return "".join(p["text"] for p in content) if isinstance(content, (list, tuple)) else content
-
-
-def _is_text_parts(content: Any) -> bool:
-    return isinstance(content, (list, tuple)) and all(
-        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content)
+        return json.loads(value)
+    except ValueError as exc:
+        # Dask's dataframe.convert-string turns an object column of Python lists into their
+        # repr; literal_eval reads that back (it evaluates literals only, never code)
+        if value.lstrip().startswith("["):
+            try:
+                return ast.literal_eval(value)
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                pass
+        raise RequestError(f"messages: not valid JSON ({exc}): {show(value)}") from None

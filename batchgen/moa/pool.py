@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import BatchgenError
 from ..outputs import RequestOutput
 from ..policy.placement import Demand, ModelCost, Placement, Policy, WorkerSlot, place
+from ..models.hub import is_hub_id
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -88,7 +89,7 @@ class ModelPool:
             raise BatchgenError(f"engine_options: {exc}") from None
         self.infos: dict[str, ModelInfo] = {}
         for name, spec in self.specs.items():
-            if not Path(spec.model, "config.json").is_file():
+            if not is_hub_id(spec.model) and not Path(spec.model, "config.json").is_file():
                 raise BatchgenError(f"model {name!r}: {spec.model} is not a model directory (no config.json)")
             # what Engine() would refuse (architecture, weights, tokenizer), here and not in every task
             try:

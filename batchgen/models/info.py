@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer
+from . import hub
 from .loader import generation_eos_ids, load_spec
 from .spec import ModelSpec
 
@@ -24,9 +25,10 @@ class ModelInfo:
     def load(cls, model_dir: str | Path, max_model_len: int | None = None) -> "ModelInfo":
         """Fails fast (ModelLoadError / UnsupportedModelError) on what Engine() would refuse to load,
         short of reading the weights."""
-        path = Path(model_dir).expanduser()
+        weights_here = not hub.is_hub_id(model_dir)  # a driver fetches no shards; the engine's load checks them
+        path = hub.model_dir(model_dir, weights=False)
         _, spec = load_spec(path)
-        if not any(path.glob("*.safetensors")):
+        if weights_here and not any(path.glob("*.safetensors")):
             raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors weights")
         return cls.for_spec(path, spec, max_model_len)
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
+from . import hub
 from .attention import AttentionBatch, gqa_attention
 from .layers import mlp, rms_norm
 from .dtype import resolve_dtype
@@ -58,7 +59,7 @@ class Model:
         """expert_memory_bytes / expert_host_memory_bytes: device and host bytes for routed
         experts; what does not fit stays in the tier below (host memory, then the checkpoint on
         disk) and streams through the store (batchgen/offload)."""
-        path = Path(model_dir).expanduser()
+        path = hub.model_dir(model_dir)  # a hub id becomes its cached snapshot
         cfg, spec = load_spec(path)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch_dtype = resolve_dtype(dtype, cfg, dev)

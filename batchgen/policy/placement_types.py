@@ -93,7 +93,7 @@ class WorkerSlot:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """replicas[model] = workers holding it; rows[worker][model] = the rows it runs there."""
+    """`replicas[model]`: the workers holding it; `rows[worker][model]`: the rows it runs there."""
 
     policy: str
     replicas: dict[str, tuple[str, ...]]
