@@ -248,8 +248,8 @@ def test_elastic_driver_runs_on_the_runtime_engines_and_messages(pipes, cluster,
     futs = [client.submit(batchgen.diffuse, pdf, model=path, output_dir=str(tmp_path / w.split(":")[-1]), workers=[w],
                           pure=False) for w in client.scheduler_info()["workers"]]
     assert all(out["error"].isna().all() for out in client.gather(futs))
-    keys = client.run(_engine_keys)
-    assert all(len(k) == 1 for k in keys.values()) and len({tuple(k) for k in keys.values()}) == 1, keys
+    keys = client.run(_engine_keys)  # (the module's other tests also load the pixart pipeline)
+    assert all(sum(k.startswith(path + "|") for k in ks) == 1 for ks in keys.values()), keys
     assert not [q for q in client.run_on_scheduler(_queue_names) if q.startswith("bg-diff")]
 
 
