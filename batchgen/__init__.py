@@ -10,15 +10,30 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from batchgen.cluster.client import connect
-    from batchgen.cluster.generate import generate, output_meta
-    from batchgen.config import EngineConfig
-    from batchgen.diffusion.frame import diffuse
-    from batchgen.engine import Engine
-    from batchgen.errors import BatchgenError, ModelLoadError, RequestError, StateError, UnsupportedModelError
-    from batchgen.outputs import RequestOutput
-    from batchgen.sampling_params import SamplingParams
-    from batchgen.structured.params import StructuredOutputsParams
+    from batchgen.cluster.client import connect as connect
+    from batchgen.cluster.generate import generate as generate
+    from batchgen.cluster.generate import output_meta as output_meta
+    from batchgen.config import EngineConfig as EngineConfig
+    from batchgen.diffusion.frame import diffuse as diffuse
+    from batchgen.engine import Engine as Engine
+    from batchgen.errors import (
+        BatchgenError as BatchgenError,
+    )
+    from batchgen.errors import (
+        ModelLoadError as ModelLoadError,
+    )
+    from batchgen.errors import (
+        RequestError as RequestError,
+    )
+    from batchgen.errors import (
+        StateError as StateError,
+    )
+    from batchgen.errors import (
+        UnsupportedModelError as UnsupportedModelError,
+    )
+    from batchgen.outputs import RequestOutput as RequestOutput
+    from batchgen.sampling_params import SamplingParams as SamplingParams
+    from batchgen.structured.params import StructuredOutputsParams as StructuredOutputsParams
 
 __version__ = "0.1.0"
 

@@ -131,7 +131,7 @@ class EngineConfig:
             self.attention_kv_tokens = OFFLOAD_ATTENTION_KV_TOKENS
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Keyword arguments over dask.config `batchgen.*` over defaults; unknown keys raise TypeError.
 
         A keyword given as None counts as not given.

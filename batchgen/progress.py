@@ -11,8 +11,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol, TextIO
+from typing import Literal, Protocol, TextIO
 
 Mode = Literal["auto", "bar", "lines", "notebook", "off"]
 
@@ -111,7 +112,7 @@ class TqdmDisplay:
             from tqdm.notebook import tqdm
         else:
             from tqdm import tqdm
-        self.bar = tqdm(total=None, file=file, bar_format="|{bar:%d}| {postfix}" % width,
+        self.bar = tqdm(total=None, file=file, bar_format=f"|{{bar:{width}}}| {{postfix}}",
                         dynamic_ncols=not notebook, leave=True, mininterval=0)
         self._closed = False
 

@@ -80,7 +80,7 @@ class Tokenizer:
         return self._compiled
 
     @classmethod
-    def from_dir(cls, model_dir: Path, eos_token_ids: list[int]) -> "Tokenizer | None":
+    def from_dir(cls, model_dir: Path, eos_token_ids: list[int]) -> Tokenizer | None:
         """None when the directory has no tokenizer.json (token-id prompts still work)."""
         path = model_dir / "tokenizer.json"
         if not path.is_file():

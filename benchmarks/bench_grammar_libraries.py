@@ -210,9 +210,9 @@ def main() -> None:
         vb = byte_vocab(obj, vocab)
         print(f"vocabulary: {vocab} ids")
         makers: list[tuple[str, Callable[[], Lib]]] = [
-            ("llguidance", lambda: LLGuidance(text, vocab)),
-            ("xgrammar", lambda: XGrammar(vb, vocab)),
-            ("outlines-core", lambda: OutlinesCore(vb, vocab)),
+            ("llguidance", lambda text=text, vocab=vocab: LLGuidance(text, vocab)),
+            ("xgrammar", lambda vb=vb, vocab=vocab: XGrammar(vb, vocab)),
+            ("outlines-core", lambda vb=vb, vocab=vocab: OutlinesCore(vb, vocab)),
         ]
         for name, make in makers:
             try:

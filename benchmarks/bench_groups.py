@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _worker(rank: int, port: int, repeats: int, out: "mp.Queue") -> None:
+def _worker(rank: int, port: int, repeats: int, out: mp.Queue) -> None:
     from batchgen.diffusion.groups import Group, all_gather, init_world
 
     torch.set_num_threads(1)

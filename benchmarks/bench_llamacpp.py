@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from bench_engine import run_batchgen, workload
+
 from batchgen.demo import build_demo_model
 
 # Runs the converter with two patches: our byte-level BPE tokenizers' pre-tokenizer hash is

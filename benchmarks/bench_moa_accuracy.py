@@ -50,10 +50,9 @@ SAMPLING = {"temperature": 0.0, "max_tokens": 16}
 
 
 def rows(n: int, seed: int) -> pd.DataFrame:
-    from batchgen.demo import DEMO_PROMPT
+    from batchgen.demo import DEMO_PROMPT, variant_dirs
     from batchgen.demo.accuracy import TRAINING_SEEDS
     from batchgen.demo.dates import messy_dates
-    from batchgen.demo import variant_dirs
 
     used = set(TRAINING_SEEDS)
     for d in variant_dirs().values():  # each variant's data and tokenizer seeds

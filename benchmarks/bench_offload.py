@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from bench_engine import generate_in_batches, run_batchgen, workload
 
 from batchgen import Engine
 from batchgen.demo import build_demo_model
 from batchgen.offload.disk import DiskExperts
-from bench_engine import generate_in_batches, run_batchgen, workload
 
 
 def expert_bytes(model_dir: Path) -> tuple[int, int]:

@@ -8,8 +8,8 @@ Importing this package never imports triton; `fused_moe` and the paged-attention
 from __future__ import annotations
 
 from .config import get_config
-from .cpu_rope import cpu_rope_kv_available, rope_kv_write_cpu, rope_kv_write_reference
 from .cpu_paged_attention import cpu_paged_attention_available, paged_attention_gqa_cpu, paged_attention_mla_cpu
+from .cpu_rope import cpu_rope_kv_available, rope_kv_write_cpu, rope_kv_write_reference
 from .errors import CpuKernelUnavailableError, KernelError, KernelInputError, TritonUnavailableError
 from .fused_moe import fused_moe, moe_align_triton, triton_available
 from .grouped_moe import fused_moe_grouped, fused_moe_grouped_into, grouped_mm_supported

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from demo_model_torch import Mixtral, load_balancing_loss
 from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from batchgen.demo.dates import messy_date, messy_dates
 from batchgen.demo.prompt import DEMO_PROMPT, DEMO_STOP

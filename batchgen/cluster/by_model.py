@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelLoadError
 from ..io.cells import is_na
-from ..outputs import RequestOutput
 from ..models.hub import is_hub_id
+from ..outputs import RequestOutput
 from .spec import EngineSpec
 from .task import this_host, wait_for
 

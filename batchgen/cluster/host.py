@@ -22,11 +22,11 @@ from typing import Any
 from ..errors import BatchgenError
 from ..outputs import RequestOutput
 from ..policy.balance import Migration
+from . import messages
 from .delegate import Delegate
 from .eligibility import EngineWorkers
 from .engines import EngineSet
 from .job import PartitionJob
-from . import messages
 from .messages import Transport
 from .runner import EngineRunner, Request, RowRef, RunnerLoad
 from .spec import EngineSpec

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..policy.balance import MAX_REPORTED, CoroutineInfo, reported_movable_rows
-from .spec import EngineSpec
 from ..policy.speed import SpeedMeter, at_capacity
+from .spec import EngineSpec
 
 if TYPE_CHECKING:
     from ..engine.protocol import CoroutineEngine, CoroutineOutput

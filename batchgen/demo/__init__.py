@@ -11,8 +11,18 @@ from pathlib import Path
 
 from .prompt import DEMO_INSTRUCTION, DEMO_MAX_TOKENS, DEMO_PROMPT, DEMO_STOP
 from .random_model import (
-    BOS_ID, CHAT_TEMPLATE, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID, SPECIAL_TOKENS, build_demo_model, corpus,
-    default_demo_dir, tokenizer_vocab_size, train_tokenizer,
+    BOS_ID,
+    CHAT_TEMPLATE,
+    EOS_ID,
+    IM_END_ID,
+    IM_START_ID,
+    PAD_ID,
+    SPECIAL_TOKENS,
+    build_demo_model,
+    corpus,
+    default_demo_dir,
+    tokenizer_vocab_size,
+    train_tokenizer,
 )
 
 

@@ -96,8 +96,8 @@ def measure(n: int = 1000, seed: int = 7, sampling: SamplingParams | None = None
     if seed in TRAINING_SEEDS:
         raise ValueError(f"seed {seed} is one the training used; pick another")
     if engine is None:
-        from . import demo_model_dir
         from ..engine import Engine
+        from . import demo_model_dir
 
         engine = Engine(model or demo_model_dir(), **engine_options)
     return score(engine, messy_dates(n, seed), sampling)

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..policy.diffusion_cost import CostModel
-from .output import ImageResult, png_bytes
 from ..policy.diffusion_plan import ElasticOptions, Measured
 from ..policy.diffusion_step import TrajView, pack_forwards, plan_step
+from .output import ImageResult, png_bytes
 from .request import ImageRequest
 
 _RECENT = 32   # forward samples a worker keeps for the cost model's correction

@@ -12,8 +12,8 @@ workers and survive a lost worker).
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..cluster.frame import is_meta_partition

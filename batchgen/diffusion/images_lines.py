@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..io.openai_batch import count_lines, read_lines
-from ..io.source import Source
 from ..io.request import NO_VALUE, Request, RowKey
+from ..io.source import Source
 from .request import ImageRequest
 
 URL = "/v1/images/generations"

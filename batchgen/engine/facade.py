@@ -10,7 +10,8 @@ suspend / resume (coroutine state to bytes and back), stats. The work is done by
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence as Seq
+from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 

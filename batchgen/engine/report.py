@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..offload import ExpertStore
-from .protocol import LoadReport
 from ..runtime.kv_cache import BlockAllocator
 from ..runtime.policy import Scheduler
 from ..runtime.prefix_cache import PrefixCache
 from ..runtime.stats import RuntimeStats
+from .protocol import LoadReport
 
 
 def load_report(scheduler: Scheduler, allocator: BlockAllocator, max_num_seqs: int, device_class: str,

@@ -6,8 +6,9 @@ to recognise the row as already done.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from batchgen.sampling_params import SamplingParams

@@ -8,7 +8,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..policy.placement import POLICIES, Demand, ModelCost, Placement, PlacementError, WorkerSlot, place
+from ..policy.placement import POLICIES as POLICIES
+from ..policy.placement import Demand as Demand
+from ..policy.placement import ModelCost as ModelCost
+from ..policy.placement import Placement as Placement
+from ..policy.placement import PlacementError as PlacementError
+from ..policy.placement import WorkerSlot as WorkerSlot
+from ..policy.placement import place as place
 
 _EXPORTS: dict[str, str] = {"MoA": "mixture", "MoAStats": "mixture", "ModelPool": "pool", "Item": "pool",
                             "vote": "agreement", "make_extract": "agreement"}

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..runtime.kv_cache import blocks_for
 from ..policy.placement import ModelCost
+from ..runtime.kv_cache import blocks_for
 
 ASSUMED_FLOPS = 2e10  # a few CPU cores in fp32; a GPU is ~1000x this
 ASSUMED_READ_BYTES_PER_S = 1e9

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import BatchgenError
 from ..io.cells import is_na
+from ..policy.placement import POLICIES, ModelCost, Placement, Policy
 from ..sampling_params import SamplingParams
 from .agreement import Extract, make_extract, vote
-from ..policy.placement import POLICIES, ModelCost, Placement, Policy
 from .pool import Item, ModelPool
 
 if TYPE_CHECKING:

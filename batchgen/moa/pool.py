@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BatchgenError
+from ..models.hub import is_hub_id
 from ..outputs import RequestOutput
 from ..policy.placement import Demand, ModelCost, Placement, Policy, WorkerSlot, place
-from ..models.hub import is_hub_id
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -260,7 +260,7 @@ class ModelPool:
             return
         with self._lock:
             lost = [(k, v) for k, v in self._futures.items() if v[2] not in live and not v[0].done()]
-        for key, (fut, model, worker, items) in lost:
+        for key, (fut, model, _worker, items) in lost:
             replicas = [w for w in self._replicas.get(model, ()) if w in live]
             target = min(replicas or sorted(live), key=lambda w: (self._submitted.get((model, w), 0.0), w))
             if model in self._replicas and target not in self._replicas[model]:

@@ -12,13 +12,15 @@ SDPA's causal mask, later chunks read their blocks back.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .cuda_decode import DecodeTables, gqa_decode, rope_kv_write_cpu, use_fused_rope, use_paged_kernel
+from batchgen_kernels import rope_kv_write_cpu
+
+from .cuda_decode import DecodeTables, gqa_decode, use_fused_rope, use_paged_kernel
 from .layers import rms_norm
 from .rope import RotaryEmbedding
 from .spec import GQASpec
@@ -83,7 +85,7 @@ class AttentionBatch:
 
     @staticmethod
     def build(items: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
-              device: torch.device, dtype: torch.dtype | None = None) -> "AttentionBatch":
+              device: torch.device, dtype: torch.dtype | None = None) -> AttentionBatch:
         """items: per sequence (num_computed, num_new, block_ids); tokens laid out in that order.
         dtype: the KV pool's; decodes go to a paged kernel where `use_paged_kernel` has one."""
         positions: list[int] = []

@@ -15,8 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from batchgen_kernels import (
-    cpu_paged_attention_available, cpu_rope_kv_available, paged_attention_gqa, paged_attention_gqa_cpu,
-    paged_attention_mla, paged_attention_mla_cpu, rope_kv_write_cpu, triton_available,
+    cpu_paged_attention_available,
+    cpu_rope_kv_available,
+    paged_attention_gqa,
+    paged_attention_gqa_cpu,
+    paged_attention_mla,
+    paged_attention_mla_cpu,
+    triton_available,
 )
 
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -33,7 +38,7 @@ class DecodeTables:
 
     @staticmethod
     def build(decodes: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
-              device: torch.device) -> "DecodeTables":
+              device: torch.device) -> DecodeTables:
         """decodes: per decoding sequence (row, context length, block ids)."""
         width = max(-(-n // block_size) for _, n, _ in decodes)
         table = [list(blocks[:width]) + [0] * (width - min(len(blocks), width)) for _, _, blocks in decodes]

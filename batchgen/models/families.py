@@ -6,10 +6,11 @@ sparse, which projections carry biases, which layers slide their attention windo
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import UnsupportedModelError
-from .spec import DenseMLPSpec, GQASpec, LayerSpec, MLASpec, MoESpec, ModelSpec, RopeSpec, RouterSpec
+from .spec import DenseMLPSpec, GQASpec, LayerSpec, MLASpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
 
 Config = dict[str, Any]
 _ROPE_KINDS = {"default", "linear", "dynamic", "llama3", "yarn"}

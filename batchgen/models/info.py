@@ -22,7 +22,7 @@ class ModelInfo:
     max_model_len: int
 
     @classmethod
-    def load(cls, model_dir: str | Path, max_model_len: int | None = None) -> "ModelInfo":
+    def load(cls, model_dir: str | Path, max_model_len: int | None = None) -> ModelInfo:
         """Fails fast (ModelLoadError / UnsupportedModelError) on what Engine() would refuse to load,
         short of reading the weights."""
         weights_here = not hub.is_hub_id(model_dir)  # a driver fetches no shards; the engine's load checks them
@@ -33,7 +33,7 @@ class ModelInfo:
         return cls.for_spec(path, spec, max_model_len)
 
     @classmethod
-    def for_spec(cls, path: Path, spec: ModelSpec, max_model_len: int | None = None) -> "ModelInfo":
+    def for_spec(cls, path: Path, spec: ModelSpec, max_model_len: int | None = None) -> ModelInfo:
         """Tokenizer, stop ids and context length of a parsed checkpoint (Engine uses this too)."""
         if max_model_len and max_model_len > spec.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "

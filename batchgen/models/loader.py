@@ -16,8 +16,9 @@ from safetensors import safe_open
 
 from ..errors import ModelLoadError
 from .families import parse_config
-from .spec import GQASpec, MLASpec, MoESpec, ModelSpec
+from .spec import GQASpec, MLASpec, ModelSpec, MoESpec
 from .weights import GQAWeights, LayerWeights, MLAWeights, MLPWeights, ModelWeights, MoEWeights
+
 
 def read_config(model_dir: Path) -> dict[str, Any]:
     if not model_dir.is_dir():

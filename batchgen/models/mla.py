@@ -22,7 +22,6 @@ from .rope import RotaryEmbedding
 from .spec import MLASpec
 from .weights import MLAWeights
 
-
 # transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
 

@@ -9,23 +9,23 @@ so any set of tokens parked before ffn_stage(l) may be concatenated and run toge
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
+from ..offload import ExpertStore, HostExperts, StoreOptions, build_store, expert_tier_plan
 from . import hub
 from .attention import AttentionBatch, gqa_attention
-from .layers import mlp, rms_norm
 from .dtype import resolve_dtype
+from .layers import mlp, rms_norm
 from .loader import load_spec, load_weights, to_device
 from .mla import mla_attention
-from ..offload import ExpertStore, HostExperts, StoreOptions, build_store, expert_tier_plan
 from .moe import moe, route
 from .rope import RotaryEmbedding
-from .spec import GQASpec, MoESpec, ModelSpec
+from .spec import GQASpec, ModelSpec, MoESpec
 from .weights import GQAWeights, MLAWeights, MLPWeights, ModelWeights, MoEWeights
 
 
@@ -55,7 +55,7 @@ class Model:
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "auto",
              device: str | torch.device | None = None, expert_memory_bytes: int | None = None,
-             expert_host_memory_bytes: int | None = None, expert_options: StoreOptions | None = None) -> "Model":
+             expert_host_memory_bytes: int | None = None, expert_options: StoreOptions | None = None) -> Model:
         """expert_memory_bytes / expert_host_memory_bytes: device and host bytes for routed
         experts; what does not fit stays in the tier below (host memory, then the checkpoint on
         disk) and streams through the store (batchgen/offload)."""

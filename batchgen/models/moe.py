@@ -5,8 +5,7 @@ expert-sorted tokens elsewhere, checked against the torch reference); this modul
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F

@@ -20,15 +20,14 @@ layer runs; it never evicts what the current stage needs or a slot a read is fil
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Callable
 
 import torch
 
-from .disk import DiskExperts, ExpertReadError
 from ..policy.expert_eviction import RoutingStats, TierPlan, next_moe_layer, resolve_predictor
+from .disk import DiskExperts, ExpertReadError
 from .pool import Key, Pending, SlotPool
 from .state import HostExperts, StoreOptions, StoreStats
 

@@ -218,9 +218,9 @@ def plan_round(state: ClusterState, policy: str, cost: CostModel, options: Elast
             break
 
         def with_it(r: int) -> tuple:
-            loads.add(v, (r,))
+            loads.add(v, (r,))  # noqa: B023 - called at once by min() below, in this iteration
             obj = loads.objective()
-            loads.add(v, (r,), -1)
+            loads.add(v, (r,), -1)  # noqa: B023
             return (obj, loads.load[r], owned[r], r)
         r = min(room, key=with_it)
         loads.add(v, (r,))

@@ -61,7 +61,8 @@ def deal(views: Sequence[TrajView], ranks: Sequence[int], policy: str, now: floa
         shared = None if cost.packed else v.key
 
         def grown(r: int) -> float:
-            return total[r] + marginal + cost.fixed * max(0, v.remaining - longest.get((r, shared), 0))
+            # called within this iteration only (min() and the line after it)
+            return total[r] + marginal + cost.fixed * max(0, v.remaining - longest.get((r, shared), 0))  # noqa: B023
         r = min(ranks, key=lambda r: (grown(r), len(lists[r]), r))
         total[r] = grown(r)
         longest[(r, shared)] = max(longest.get((r, shared), 0), v.remaining)

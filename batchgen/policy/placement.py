@@ -39,7 +39,14 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .placement_types import (  # noqa: F401  (re-exported: the placement API is imported from here)
-    GAP, POLICIES, Demand, ModelCost, Placement, PlacementError, Policy, WorkerSlot,
+    GAP,
+    POLICIES,
+    Demand,
+    ModelCost,
+    Placement,
+    PlacementError,
+    Policy,
+    WorkerSlot,
 )
 
 

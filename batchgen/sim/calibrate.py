@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import platform
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -126,7 +126,7 @@ def calibrate(model_dir: Path, *, dtype: str = "float32", device: str | None = N
     quality.update(grid={"batches": list(batches), "prompts": list(prompts)},
                    engine={"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                            "dtype": dtype, "device": str(engine.model.device), "threads": torch.get_num_threads()})
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return FittedProfile(
         name=f"calibrated:{Path(model_dir).name}", model=Path(model_dir).name, coefficients=coefficients,
         kv_capacity_tokens=int(engine.allocator.capacity_tokens), kv_bytes_per_token=int(engine.model.kv_bytes_per_token()),

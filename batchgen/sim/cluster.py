@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..policy.balance import EngineLoad, Migration, plan_migrations
 from ..errors import PlanError
+from ..policy.balance import EngineLoad, Migration, plan_migrations
 from .cost import CostModel
 from .engine import Arrival, EngineSimConfig, SimEngine
 from .parallel import run_parallel

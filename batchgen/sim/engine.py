@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import PlanError
 from ..policy.balance import MAX_REPORTED, CoroutineInfo, EngineLoad, reported_movable
 from ..policy.speed import SpeedMeter
-from ..errors import PlanError
 from ..runtime.policy import Eviction, Plan, Scheduler, SchedulerConfig, prefer_transfer
 from ..runtime.sequence import SeqId, SeqStatus, Sequence
 from .blocks import BlockCounter

@@ -18,14 +18,15 @@ import dataclasses
 import math
 import multiprocessing as mp
 import traceback
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from ..policy.balance import CoroutineInfo, EngineLoad, Migration
 from ..errors import PlanError
+from ..policy.balance import CoroutineInfo, EngineLoad, Migration
 from .cost import CostModel
 from .engine import Arrival, EngineSimConfig
 from .partitions import partitioned_engines
@@ -143,7 +144,7 @@ def run_parallel(workload: Workload, cost: CostModel, engine: EngineSimConfig, n
             loads, work = _gather(kids.all("run", None))
             while True:
                 orders: list[Migration] = []
-                balancer.tick(now, loads, lambda order, _now: orders.append(order))
+                balancer.tick(now, loads, lambda order, _now: orders.append(order))  # noqa: B023 - called inside tick()
                 if orders:
                     moved += _carry_out(kids, orders, now)
                 if not work:  # moves keep the fleet's work (in flight counts at the destination)

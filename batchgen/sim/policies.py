@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..policy.balance import BalanceConfig
 from ..errors import PlanError
+from ..policy.balance import BalanceConfig
 
 
 @dataclass(frozen=True, slots=True)

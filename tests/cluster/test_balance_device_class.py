@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from batchgen.policy.balance import CoroutineInfo, EngineLoad, plan_migrations, relative_speeds
 from batchgen.config import EngineConfig
 from batchgen.engine import device_class
+from batchgen.policy.balance import CoroutineInfo, EngineLoad, plan_migrations, relative_speeds
 from batchgen.sim.cluster import ClusterSimConfig, simulate
 from batchgen.sim.cost import build_cost
 from batchgen.sim.engine import EngineSimConfig

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from batchgen import Engine, SamplingParams
-from batchgen.policy.balance import Migration
 from batchgen.cluster.host import Host
 from batchgen.cluster.job import PartitionJob
 from batchgen.cluster.runner import EngineRunner, RowRef
 from batchgen.cluster.spec import EngineSpec
+from batchgen.policy.balance import Migration
 
 OPTIONS = {"kv_cache_bytes": 16 << 20}
 PARAMS = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)

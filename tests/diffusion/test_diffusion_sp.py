@@ -12,7 +12,6 @@ import tiny_diffusion as tiny  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
 
-
 pytestmark = pytest.mark.slow  # a real LocalCluster of worker processes
 
 

@@ -3,7 +3,6 @@ honours `enable_thinking`, as Qwen3's does; transformers' apply_chat_template is
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 

@@ -8,7 +8,10 @@ import pytest
 
 from batchgen.runtime.kv_cache import BlockAllocator
 from batchgen.runtime.policy import (
-    Scheduler, SchedulerConfig, prefer_transfer, split_micro_batches,
+    Scheduler,
+    SchedulerConfig,
+    prefer_transfer,
+    split_micro_batches,
 )
 from batchgen.runtime.sequence import SeqId, SeqStatus, Sequence
 from batchgen.sampling_params import SamplingParams

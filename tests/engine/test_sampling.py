@@ -1,7 +1,6 @@
 """SamplingParams validation/mapping, stop-string search, and the batched sampler (no model)."""
 from __future__ import annotations
 
-import math
 import pickle
 
 import pytest
@@ -17,11 +16,11 @@ EOS = 0
 
 def run(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int] | None = None,
         steps: list[int] | None = None, prompt: list[list[int]] | None = None,
-        output: list[list[int]] | None = None, eos: list[int] = [EOS]) -> list[int]:
+        output: list[list[int]] | None = None, eos: list[int] | None = None) -> list[int]:
     B = logits.shape[0]
     return sample(logits, params, seeds or list(range(B)), steps or [0] * B,
                   prompt or [[] for _ in range(B)], output or [[] for _ in range(B)],
-                  eos).token_ids
+                  [EOS] if eos is None else eos).token_ids
 
 
 # --- SamplingParams ---------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def _no_space_outside_strings(text: str) -> bool:
 
 def test_every_finished_json_output_validates_in_a_mixed_batch(engine: Engine, prompt_ids) -> None:
     rows: list[tuple[list[int], SamplingParams, dict | None]] = []
-    for k, (name, schema) in enumerate(SCHEMAS.items()):
+    for k, (_name, schema) in enumerate(SCHEMAS.items()):
         for i in range(4):
             rows.append((prompt_ids[(k + i) % 6], _json(schema, seed=10 * k + i), schema))
             if i % 2:

@@ -7,14 +7,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import tiny_models
 import torch
+from conftest import mixed_prompts
 from safetensors import safe_open
+from tiny_models import ARCHS, reference_generate, reference_logits, reference_model
 from tokenizers import Tokenizer
 
-import tiny_models
 from batchgen.demo import BOS_ID, build_demo_model, corpus
-from conftest import mixed_prompts
-from tiny_models import ARCHS, reference_generate, reference_logits, reference_model
 
 ARCH_NAMES = sorted(ARCHS)
 

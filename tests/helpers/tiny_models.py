@@ -18,8 +18,16 @@ from typing import Any
 import torch
 import transformers
 from transformers import (
-    AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, GenerationConfig, LlamaConfig,
-    MixtralConfig, OlmoeConfig, PreTrainedConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig,
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    LlamaConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    PreTrainedConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
 )
 
 from batchgen.demo import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, corpus, tokenizer_vocab_size, train_tokenizer
@@ -192,7 +200,7 @@ def build_checkpoint(arch: str, path: str | os.PathLike, legacy_rope_keys: bool 
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(model_dir: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 

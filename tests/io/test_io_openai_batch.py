@@ -8,8 +8,15 @@ from typing import Any
 import pytest
 
 from batchgen.demo import EOS_ID, train_tokenizer
-from batchgen.io.openai_batch import (OpenAIBatchReader, error_record, record_error, record_key,
-                                      response_record, row_key, success_record)
+from batchgen.io.openai_batch import (
+    OpenAIBatchReader,
+    error_record,
+    record_error,
+    record_key,
+    response_record,
+    row_key,
+    success_record,
+)
 from batchgen.io.request import Request
 from batchgen.io.rows import RowContext
 from batchgen.outputs import RequestOutput
@@ -145,8 +152,8 @@ def _assert_openai_400(record: dict[str, Any], code: str, message: str, param: s
 
 def test_engine_failure_is_the_same_400_shape(tmp_path: Path) -> None:
     """A row the engine rejects (after parsing) gets the same record as a bad line."""
-    from batchgen.io.jsonl_sink import JsonlSink
     from batchgen.io.job import run_job
+    from batchgen.io.jsonl_sink import JsonlSink
     from batchgen.sampling_params import SamplingParams
 
     class Rejects:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import batchgen_kernels as K
-from batchgen_kernels import _cpu_build
 from batchgen.models.cuda_decode import use_paged_kernel
+from batchgen_kernels import _cpu_build
 
 needs_kernel = pytest.mark.skipif(not K.cpu_paged_attention_available(),
                                   reason=f"CPU kernel unavailable: {_cpu_build.cpu_kernels_error()}")

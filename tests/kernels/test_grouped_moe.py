@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kernels import make_inputs, with_unrouted
 
 from batchgen_kernels import (
     fused_moe_grouped,
@@ -10,7 +11,6 @@ from batchgen_kernels import (
     fused_moe_reference,
     grouped_mm_supported,
 )
-from test_kernels import make_inputs, with_unrouted
 
 
 @pytest.mark.parametrize(("T", "E", "A"), [(1, 3, 1), (3, 5, 2), (257, 5, 2), (257, 8, 2), (64, 7, 3)])

@@ -107,7 +107,7 @@ def test_moa_answers_equal_each_model_alone(client: Client, models: dict[str, Pa
     assert 0 < job.stats.rows_skipped < 12  # the twins agree; the other rows do not all agree
     # aggregated rows: the aggregator alone on the prompt with the answers injected
     agg = out[out["aggregated"]]
-    for idx, row in agg.iterrows():
+    for _idx, row in agg.iterrows():
         refs = [row[f"{n}_text"] for n in row["experts"]]
         want = alone("qwen", [job._prompt("qwen", row["prompt"], refs)], job.sampling["qwen"])[0]
         assert row["final_text"] == want
@@ -200,7 +200,7 @@ def test_generate_with_model_column_on_dask(client: Client, models: dict[str, Pa
                              model_column="model", max_tokens=3, temperature=0.0, ignore_eos=True,
                              engine_options=OPTIONS).compute()
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    for i, row in out.iterrows():
+    for _i, row in out.iterrows():
         if row["model"] == "ghost":
             assert row["finish_reason"] == "error" and "unknown model" in row["error"]
         else:

@@ -53,7 +53,7 @@ def test_bypass_takes_the_majority_at_or_above_the_threshold(proposers: dict[str
     assert job.stats.rows_skipped == int((confidence >= threshold).sum()) > 0
     assert job.stats.rows_aggregated == int((confidence < threshold).sum()) > 0
     agg_prompts, outvoted = [], 0
-    for i, (idx, row) in enumerate(out.iterrows()):
+    for i, (_idx, row) in enumerate(out.iterrows()):
         answers = [parse_iso(alone[n][i]) for n in names]
         assert [row[f"{n}_text"] for n in names] == [alone[n][i] for n in names]
         v = vote(answers, 3)

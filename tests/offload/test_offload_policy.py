@@ -6,7 +6,14 @@ import sys
 
 import pytest
 
-from batchgen.policy.expert_eviction import BudgetError, RoutingStats, layers_ahead, next_moe_layer, pick_victims, plan_tiers
+from batchgen.policy.expert_eviction import (
+    BudgetError,
+    RoutingStats,
+    layers_ahead,
+    next_moe_layer,
+    pick_victims,
+    plan_tiers,
+)
 
 E_BYTES, TOTAL, WIDEST = 100, 24, 8  # 3 MoE layers of 8 experts, 100 bytes each
 

@@ -15,9 +15,9 @@ from batchgen.sim import cluster as sim_cluster
 from batchgen.sim import engine as sim_engine
 from batchgen.sim.cost import build_cost
 from batchgen.sim.engine import EngineSimConfig, SimEngine, make_sequence
-from batchgen.sim.waiting import WaitingQueue
 from batchgen.sim.profiles import load_profile
 from batchgen.sim.shapes import load_shape
+from batchgen.sim.waiting import WaitingQueue
 from batchgen.sim.workload import synthetic
 
 

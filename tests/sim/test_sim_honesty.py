@@ -16,8 +16,8 @@ import pytest
 from distributed import Client, LocalCluster
 
 import batchgen.cluster as bc
-from batchgen.policy.balance import BalanceConfig
 from batchgen.demo import build_demo_model, tokenizer_vocab_size
+from batchgen.policy.balance import BalanceConfig
 from batchgen.sim.calibrate import calibrate
 from batchgen.sim.cluster import ClusterSimConfig, simulate
 from batchgen.sim.cost import FittedCost
