@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "a job whose rows all failed never exits 0")
     run.add_argument("--summary-json", metavar="URL", help="write the job summary (request_counts, "
                      "tokens, timing) here as JSON; it is also the last line on stderr")
+    run.add_argument("--report", metavar="FILE", help="with --workers or --scheduler: write the job's charts "
+                     "(per-worker load, tokens/s over time, migrations) to FILE at the end, one self-contained "
+                     "HTML file (needs bokeh: the dashboard extra)")
     _add_log_flags(run)
     _add_engine_flags(run)
     pq = run.add_argument_group("Parquet input")
@@ -120,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                       metavar="FILE", help="where to write the results (default: %(default)s)")
     _add_engine_flags(demo)
     _add_log_flags(demo)
+    report = sub.add_parser("report", help="write a running cluster's batchgen charts to one HTML file",
+                            description="Read the batchgen plugin of the cluster at --scheduler (its per-worker "
+                            "load, timelines and migrations) and write the dashboard page's charts to OUTPUT, "
+                            "one self-contained HTML file that opens without network access. Needs bokeh.")
+    report.add_argument("output", metavar="OUTPUT", help="the HTML file to write")
+    report.add_argument("--scheduler", required=True, metavar="ADDR", help="the cluster (tcp://host:8786)")
+    _add_log_flags(report)
     from batchgen.sim.cli import add_commands as add_sim_commands
 
     add_sim_commands(sub)  # plan, bench: the simulator's commands, self-contained in sim/cli.py
@@ -251,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         if args.command in ("plan", "bench", "moa"):
             return args.handler(args)
+        if args.command == "report":
+            return _report_command(args)
         return _run(args)
     except JobAborted as exc:
         print(f"batchgen: error: {exc}; rerun with --resume --retry-errors to finish", file=sys.stderr)
@@ -318,7 +330,55 @@ def _finish(args: argparse.Namespace, spec: JobSpec, summary: JobSummary, where:
     return code
 
 
+def _check_report(args: argparse.Namespace) -> None:
+    """--report's needs, before any work: a cluster (the charts are its plugin's) and bokeh."""
+    if not getattr(args, "report", None):
+        return
+    if not (args.scheduler or args.workers):
+        raise BatchgenError("--report needs --workers or --scheduler: the charts come from the cluster's "
+                            "batchgen plugin")
+    import importlib.util
+
+    if importlib.util.find_spec("bokeh") is None:
+        raise BatchgenError("--report needs bokeh: pip install 'batchgen[dashboard]'")
+
+
+def _write_report(path: str, client: Client) -> None:
+    """The job's charts, once it has finished and before its cluster goes; a failure here is
+    reported and leaves the job's own outcome as it is."""
+    from batchgen.cluster.html_report import report
+
+    try:
+        log.info("wrote the job's charts to %s", report(path, client))
+    except Exception as exc:  # noqa: BLE001 - the output is complete either way
+        log.error("could not write --report %s (%s: %s); the results are complete", path, type(exc).__name__, exc)
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("bokeh") is None:
+        raise BatchgenError("batchgen report needs bokeh: pip install 'batchgen[dashboard]'")
+    from distributed import Client
+
+    from batchgen.cluster.client import is_installed
+    from batchgen.cluster.html_report import report
+
+    try:
+        client = Client(args.scheduler, timeout="10s")
+    except OSError as exc:
+        raise BatchgenError(f"cannot reach the scheduler at {args.scheduler}: {exc}") from None
+    try:
+        if not is_installed(client):
+            raise BatchgenError(f"the cluster at {args.scheduler} runs no batchgen plugin: nothing to report")
+        log.info("wrote %s", report(args.output, client))
+    finally:
+        client.close()
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    _check_report(args)
     if args.model and (Path(args.model) / "model_index.json").is_file():  # a diffusers pipeline: image generation
         return _run_images(args)
 
@@ -377,6 +437,8 @@ def _run_models(spec: JobSpec, args: argparse.Namespace) -> int:
         summary, placement = run_models_file_job(spec, models, client=client, placement=args.placement,
                                                  engine_options=engine_options(args), chunk_size=args.chunk_size,
                                                  progress=args.progress)
+        if client is not None and getattr(args, "report", None):
+            _write_report(args.report, client)
     finally:
         if client is not None:
             client.close()
@@ -429,6 +491,8 @@ def _cluster(args: argparse.Namespace, engine_key: str) -> Iterator[Client]:
             ours = install(client)  # False: the cluster already runs batchgen for someone else too
             try:
                 yield client
+                if getattr(args, "report", None):
+                    _write_report(args.report, client)
             finally:
                 if args.scheduler:
                     _leave_as_found(client, ours, engine_key)

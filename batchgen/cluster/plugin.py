@@ -5,7 +5,8 @@ installs in `start()`; the reply carries the migration orders for that worker (f
 policy in balance.py) and, when it changed, the set of live workers, from which owners learn
 that a holder of their coroutines is gone. `start()` also registers the worker plugin, so
 `Client.register_plugin(BalancePlugin())` is the whole setup; `close()` undoes both. It also
-puts batchgen's per-worker figures on the scheduler's Prometheus endpoint (prometheus.py).
+puts batchgen's per-worker figures on the scheduler's Prometheus endpoint (prometheus.py) and
+a `batchgen` page on its dashboard (dashboard.py).
 With an engine rule (eligibility.py) only the workers it admits are cold-start destinations,
 and every worker learns which those are (`engine_workers` in the reply).
 """
@@ -19,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from distributed import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from . import prometheus
 from ..policy.balance import BalanceConfig, CoroutineInfo, EngineLoad, Migration, plan_migrations
+from . import dashboard, prometheus
 from .eligibility import EngineWorkers
 from .worker import WORKER_PLUGIN, BatchgenWorkerPlugin
 
@@ -98,6 +99,7 @@ class BalancePlugin(SchedulerPlugin):
         # batchgen.moa); other models may cold-start anywhere
         self.pinned: dict[str, frozenset[str]] = {}
         self._collector: prometheus.BatchgenCollector | None = None
+        self.page: dashboard.PageRegistration | None = None  # the dashboard page, while registered
         # orders whose rows the source still lists, with its migrated_out count when ordered: an
         # order whose rows all finished at the source before it could send them brings nothing,
         # so its destination must not wait (up to stale_after) for an adoption that never comes
@@ -110,6 +112,7 @@ class BalancePlugin(SchedulerPlugin):
         collector = prometheus.BatchgenCollector(self.metrics)
         if prometheus.register(collector):
             self._collector = collector
+        self.page = dashboard.register(scheduler, self)
         rule = self.engine_rule.to_msg() if self.engine_rule.is_restricted else None
         plugin = BatchgenWorkerPlugin(push_interval=self.push_interval, engine_workers=rule)
         await scheduler.register_worker_plugin(None, dumps(plugin), name=WORKER_PLUGIN, idempotent=False)
@@ -122,6 +125,9 @@ class BalancePlugin(SchedulerPlugin):
         if self._collector is not None:
             prometheus.unregister(self._collector)
             self._collector = None
+        if self.page is not None:
+            dashboard.unregister(self.page)
+            self.page = None
         # Workers first: their load pushes stop before the handler they call goes away (the other
         # order makes the scheduler log a "No handler batchgen_load" error per push in between).
         if WORKER_PLUGIN in scheduler.worker_plugins:

@@ -38,8 +38,12 @@ def test_run_on_local_dask_cluster_matches_local_engine(checkpoint_factory, tmp_
     local, clustered = tmp_path / "local.jsonl", tmp_path / "cluster.jsonl"
     first = _run(model, src, local)
     assert first.returncode == 0, first.stderr
-    second = _run(model, src, clustered, "--workers", "2", "--chunk-size", "4")
+    report = tmp_path / "report.html"
+    second = _run(model, src, clustered, "--workers", "2", "--chunk-size", "4", "--report", str(report))
     assert second.returncode == 0, second.stderr
+    # --report: the job's charts in one HTML file with its resources inlined (opens offline)
+    html = report.read_text()
+    assert "<script src=" not in html and "Bokeh" in html and "batchgen" in html
     a, b = _by_id(local), _by_id(clustered)
     assert sorted(a) == sorted(b) == sorted(line["custom_id"] for line in LINES)
     for key in a:
@@ -49,6 +53,14 @@ def test_run_on_local_dask_cluster_matches_local_engine(checkpoint_factory, tmp_
         else:
             assert record_error(b[key]) is not None and b[key]["response"]["status_code"] == 400
     assert "1 errors" in second.stderr or "1 error" in second.stderr
+
+
+def test_report_without_a_cluster_is_refused_before_any_work(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(LINES[0]) + "\n")
+    result = _run(tmp_path / "no-model", src, tmp_path / "out.jsonl", "--report", str(tmp_path / "r.html"))
+    assert result.returncode == 2 and "--report needs --workers or --scheduler" in result.stderr
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "r.html").exists()
 
 
 def test_cluster_run_with_missing_model_fails_fast(tmp_path: Path) -> None:
