@@ -29,7 +29,7 @@ from batchgen.sim.cluster import ClusterSimConfig, simulate
 from batchgen.sim.cost import build_cost
 from batchgen.sim.engine import EngineSimConfig
 from batchgen.sim.oblivious import isolated_bct, length_aware_bct, oblivious_bct, tail_bound, tail_need
-from batchgen.sim.plan import default_tick, format_report, ideal_bound, run_plan
+from batchgen.sim.planner import default_tick, format_report, ideal_bound, run_plan
 from batchgen.sim.policies import DEFAULT_POLICIES, BatchGen
 from batchgen.sim.profiles import load_profile
 from batchgen.sim.shapes import load_shape

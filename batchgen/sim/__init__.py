@@ -16,7 +16,7 @@ from pathlib import Path
 from .cluster import ClusterSimConfig, SimResult, simulate
 from .cost import ExpertTiers, build_cost
 from .engine import EngineSimConfig
-from .plan import PlanReport, run_plan
+from .planner import PlanReport, run_plan
 from .policies import BatchGen, Dynamic, Static
 from .profiles import load_profile
 from .shapes import load_shape
@@ -30,7 +30,10 @@ __all__ = ["BatchGen", "ClusterSimConfig", "Dynamic", "EngineSimConfig", "Expert
 def plan(*, rows: int | None = None, workers: int, profile: str, model: str | None = "qwen3-30b-a3b",
          workload: str = "reasoning", lengths: str | Path | None = None, seed: int = 0,
          expert_memory_bytes: int | None = None, engine: EngineSimConfig | None = None) -> PlanReport:
-    """The Python face of `batchgen plan`."""
+    """The Python face of `batchgen plan`: the cost model from `profile` (a shipped GPU profile
+    such as "H200", or a calibrated profile file) and `model`'s shapes, the workload (`workload`
+    synthetic rows, or the rows of a `lengths` file, the first `rows` of them), every policy run
+    on `workers` simulated workers (planner.run_plan)."""
     prof = load_profile(profile)
     shape = load_shape(model) if model is not None and prof.kind == "gpu" else None
     cost = build_cost(prof, shape, ExpertTiers(expert_memory_bytes))

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import PlanError
-from .plan import PlanReport
+from .planner import PlanReport
 
 BINS = 200
 

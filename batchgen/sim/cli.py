@@ -171,7 +171,7 @@ def _setting(given: int | None, measured: object, default: int) -> int:
 def run_plan_command(args: argparse.Namespace) -> int:
     from .cluster import ClusterSimConfig
     from .engine import EngineSimConfig
-    from .plan import failed_rows_warning, format_report, run_plan
+    from .planner import failed_rows_warning, format_report, run_plan
     from .profiles import FittedProfile
 
     if args.workers is None and not args.sweep_workers:

@@ -12,7 +12,7 @@ from batchgen.cli import main
 from batchgen.sim.cluster import ClusterSimConfig
 from batchgen.sim.cost import build_cost
 from batchgen.sim.engine import EngineSimConfig
-from batchgen.sim.plan import ideal_bound, run_plan
+from batchgen.sim.planner import ideal_bound, run_plan
 from batchgen.sim.profiles import FittedProfile, load_profile
 from batchgen.sim.shapes import load_shape
 from batchgen.sim.workload import Workload, synthetic
@@ -215,7 +215,7 @@ def test_a_calibrated_profile_plans_the_engine_it_measured(tmp_path: Path, monke
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     import importlib
 
-    sim_plan = importlib.import_module("batchgen.sim.plan")  # batchgen.sim.plan is also a function
+    sim_plan = importlib.import_module("batchgen.sim.planner")
     seen: list[EngineSimConfig] = []
     real = sim_plan.run_plan
     monkeypatch.setattr(sim_plan, "run_plan", lambda w, c, engine, *a, **k: seen.append(engine) or real(w, c, engine, *a, **k))
