@@ -14,22 +14,13 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 from distributed import Client, LocalCluster
-from tiny_models import build_checkpoint, reference_generate
+from tiny_models import build_thinking_checkpoint, reference_generate
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 import batchgen
 from batchgen.cluster.spec import EngineSpec
 
-THINKING_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-    "{% endif %}")
 CONVERSATIONS = [
     [{"role": "user", "content": "alpha beta gamma"}],
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}],
@@ -45,10 +36,7 @@ OFF = {"enable_thinking": False}
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3-thinking"))
-    cfg = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": THINKING_TEMPLATE}))
-    return path
+    return build_thinking_checkpoint(tmp_path_factory.mktemp("qwen3-thinking"))
 
 
 def oracle(model: Path, conversations: list[Any], max_tokens: int = 5, **kwargs: Any) -> list[list[int]]:

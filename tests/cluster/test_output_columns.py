@@ -11,7 +11,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tiny_models import build_checkpoint
+from tiny_models import build_thinking_checkpoint
 
 import batchgen
 from batchgen.cli import main
@@ -19,14 +19,6 @@ from batchgen.io.openai_batch import OpenAIBatchReader
 from batchgen.io.rows import RowContext
 from batchgen.models.info import ModelInfo
 
-# Qwen3's switch, in the shape of its template: thinking off writes an empty think block
-THINKING_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-    "{% endif %}")
 CONVERSATIONS = [
     [{"role": "user", "content": "alpha beta gamma"}],
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}],
@@ -39,10 +31,7 @@ OPTIONS = {"kv_cache_bytes": 16 << 20}
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3-thinking"))
-    cfg = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": THINKING_TEMPLATE}))
-    return path
+    return build_thinking_checkpoint(tmp_path_factory.mktemp("qwen3-thinking"))
 
 
 @pytest.fixture(scope="module")

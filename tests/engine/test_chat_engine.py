@@ -2,26 +2,15 @@
 honours `enable_thinking`, as Qwen3's does; transformers' apply_chat_template is the oracle."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_models import build_checkpoint, reference_generate
+from tiny_models import build_thinking_checkpoint, reference_generate
 from transformers import AutoTokenizer
 
 from batchgen import Engine, SamplingParams
 
-# Qwen3's switch, in the shape of its template: thinking off writes an empty think block
-THINKING_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-    "{% endif %}")
 CONVERSATIONS = [
     [{"role": "user", "content": "alpha beta gamma"}],
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}],
@@ -30,15 +19,6 @@ CONVERSATIONS = [
 ]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 OPTIONS = {"kv_cache_bytes": 16 << 20}
-
-
-def build_thinking_checkpoint(path: Path) -> Path:
-    build_checkpoint("qwen3_moe", path)
-    cfg_path = path / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = THINKING_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    return path
 
 
 def oracle_ids(model: Path, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:

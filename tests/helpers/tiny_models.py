@@ -250,3 +250,24 @@ def mixed_prompts(tokenizer: Any, lengths: Sequence[int] = PROMPT_LENGTHS) -> li
     if len(ids) < stride * len(lengths):
         raise ValueError(f"pydoc text gives only {len(ids)} tokens")
     return [[BOS_ID] + ids[i * stride : i * stride + n - 1] for i, n in enumerate(lengths)]
+
+
+# Qwen3's switch, in the shape of its template: thinking off writes an empty think block; a role
+# the template does not know raises, as Qwen's does
+THINKING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}")
+
+
+def build_thinking_checkpoint(path: str | os.PathLike) -> Path:
+    """A tiny Qwen3-MoE checkpoint whose chat template honours `enable_thinking`."""
+    out = build_checkpoint("qwen3_moe", path)
+    cfg_path = out / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": THINKING_TEMPLATE}, indent=2))
+    return out
