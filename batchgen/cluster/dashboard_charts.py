@@ -57,7 +57,7 @@ def build(live: bool = True) -> Charts:
     summary = Div(name="batchgen-summary", text="", width=1100)
     jobs = ColumnDataSource({"name": [], "fraction": [], "label": []}, name="batchgen-jobs")
     job_range = FactorRange(factors=[])
-    jf = figure(title="Jobs (partitions done / total)", y_range=job_range, x_range=Range1d(start=0, end=1),
+    jf = figure(title="Jobs (rows and partitions done / total)", y_range=job_range, x_range=Range1d(start=0, end=1),
                 height=130, width=1100, toolbar_location=None, tools="")
     jf.hbar(y="name", right=1.0, height=0.7, source=jobs, color="#eeeeee")
     jf.hbar(y="name", right="fraction", height=0.7, source=jobs, color="#2ca02c")
@@ -114,8 +114,7 @@ def fill(c: Charts, summary: Mapping[str, float], jobs: Sequence[JobProgress], w
     _set(c, "job_range", c.job_range, "factors", names)
     _set(c, "jobs", c.jobs, "data", {
         "name": names, "fraction": [j.fraction for j in jobs],
-        "label": [f"{j.name}: {j.done}/{j.total} partitions" + (f", {j.erred} failed" if j.erred else "")
-                  for j in jobs]})
+        "label": [j.label() for j in jobs]})
     _set(c, "workers", c.workers, "data", {k: workers[k] for k in ("worker", *(k for k, _ in WORKER_FIELDS))})
     bars = bar_columns(workers)
     _set(c, "worker_range", c.worker_range, "factors", bars["y"])
@@ -174,9 +173,11 @@ def eta_text(seconds: float) -> str:
 
 def summary_html(s: Mapping[str, float], jobs: Sequence[JobProgress]) -> str:
     failed = sum(j.erred for j in jobs)
+    error_rows = sum(j.rows_failed for j in jobs)
     items = [("rows done", f"{int(s['rows_done'])}"), ("rows in flight", f"{int(s['rows_in_flight'])}"),
              ("tokens/s", f"{s['tokens_per_s']:.1f}"), ("ETA (rows in flight)", eta_text(s["eta_s"])),
-             ("migrations", f"{int(s['migrations'])}"), ("failed partitions", f"{failed}")]
+             ("migrations", f"{int(s['migrations'])}"), ("error rows", f"{error_rows}"),
+             ("failed partitions", f"{failed}")]
     cells = "".join(f'<td style="padding:0 18px 0 0"><div style="color:#666;font-size:11px">{k}</div>'
                     f'<div style="font-size:20px" data-key="{k}">{v}</div></td>' for k, v in items)
     return f'<table id="batchgen-summary"><tr>{cells}</tr></table>'

@@ -88,22 +88,46 @@ class JobProgress:
     done: int
     erred: int
     running: int
+    rows_total: int = 0  # rows of the partitions started so far (the workers' reports)
+    rows_done: int = 0
+    rows_failed: int = 0  # rows that ended in an error (their error column says why)
 
     @property
     def fraction(self) -> float:
         return self.done / self.total if self.total else 0.0
 
+    def label(self) -> str:
+        rows = f"{self.rows_done}/{self.rows_total} rows, " if self.rows_total else ""
+        failed = f", {self.rows_failed} error rows" if self.rows_failed else ""
+        erred = f", {self.erred} failed" if self.erred else ""
+        return f"{self.name}: {rows}{self.done}/{self.total} partitions{erred}{failed}"
 
-def job_progress(groups: Mapping[str, Any], names: Iterable[str]) -> list[JobProgress]:
-    """The progress of the task groups `names` (distributed TaskGroup objects: `states`, `len`)."""
+
+def job_rows(reports: Iterable[Mapping[str, Any]]) -> dict[str, list[int]]:
+    """Task group -> [rows, rows done, rows failed], summed over the workers' load reports
+    (each host counts the rows of its tasks: host.py `job_rows`)."""
+    out: dict[str, list[int]] = {}
+    for report in reports:
+        for group, counts in (report.get("job_rows") or {}).items():
+            total = out.setdefault(group, [0, 0, 0])
+            for i, n in enumerate(counts[:3]):
+                total[i] += int(n)
+    return out
+
+
+def job_progress(groups: Mapping[str, Any], names: Iterable[str],
+                 rows: Mapping[str, list[int]] | None = None) -> list[JobProgress]:
+    """The progress of the task groups `names` (distributed TaskGroup objects: `states`, `len`),
+    with their rows from `rows` (job_rows)."""
     out = []
     for name in names:
         tg = groups.get(name)
         if tg is None:
             continue
         states: Mapping[str, int] = tg.states
+        r = (rows or {}).get(name, [0, 0, 0])
         out.append(JobProgress(name, len(tg), sum(states.get(s, 0) for s in DONE_STATES),
-                               states.get("erred", 0), states.get("processing", 0)))
+                               states.get("erred", 0), states.get("processing", 0), r[0], r[1], r[2]))
     return out
 
 

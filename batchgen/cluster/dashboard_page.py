@@ -17,6 +17,7 @@ from .dashboard_data import (
     JobProgress,
     LoadView,
     job_progress,
+    job_rows,
     migration_events,
     model_columns,
     period_columns,
@@ -53,13 +54,16 @@ class PageState:
                 name = ts.group.name
                 if name not in self.jobs:
                     self.jobs[name] = JobProgress(name, len(ts.group), 0, 0, 0)
-        for progress in job_progress(scheduler.task_groups, list(self.jobs)):
+        rows = job_rows(view.report for view in self.plugin.views.values())
+        for progress in job_progress(scheduler.task_groups, list(self.jobs), rows):
             self.jobs[progress.name] = progress
         for name in list(self.jobs)[:-MAX_JOBS]:
             del self.jobs[name]
         for name, progress in self.jobs.items():
             if name not in scheduler.task_groups and not progress.erred:  # its results were released: done
                 progress.done, progress.running = progress.total, 0
+            if name in rows:  # rows are counted on the workers, after the task group is gone too
+                progress.rows_total, progress.rows_done, progress.rows_failed = rows[name]
         return list(self.jobs.values())
 
     def snapshot(self) -> dict[str, Any]:

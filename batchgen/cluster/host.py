@@ -23,6 +23,7 @@ from ..errors import BatchgenError
 from ..outputs import RequestOutput
 from ..policy.balance import Migration
 from . import messages
+from .dask_task import current_task_group
 from .delegate import Delegate
 from .eligibility import EngineWorkers
 from .engines import EngineSet
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 1.0
 # Cancelled (owner, job) pairs a holder remembers, to refuse their coroutines still in transit.
 _CANCELLED_KEPT = 1024
+
+
+MAX_GROUPS = 16  # task groups whose row counts a host reports (the dashboard shows the newest jobs)
 
 
 @dataclass(slots=True)
@@ -73,6 +77,9 @@ class Host:
         self._cancelled: dict[tuple[str, str], None] = {}  # (owner, job_id), oldest first
         self._live: set[str] | None = None  # live workers as last told (drop_orphans); None: not known
         self.delegate: Delegate | None = None  # set: this host may hold no engine (eligibility.py)
+        # Dask task group (a job's partitions) -> [rows, rows done, rows failed] of its tasks
+        # here, newest groups last; the dashboard sums them over workers (dashboard_data.py)
+        self.group_rows: dict[str, list[int]] = {}
 
     @property
     def address(self) -> str | None:
@@ -117,9 +124,16 @@ class Host:
     def open_job(self, spec: EngineSpec, requests: list[tuple[Any, Any]]) -> PartitionJob:
         """Queue (prompt, params) rows in this host's engine for `spec`; -> the job to wait on."""
         job = PartitionJob(spec, len(requests))
+        job.group = current_task_group()
         with self._lock:
             if self._closed:
                 raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
+            if job.group is not None:
+                counts = self.group_rows.pop(job.group, [0, 0, 0])
+                counts[0] += len(requests)
+                self.group_rows[job.group] = counts  # (re-inserted: the newest group last)
+                for old in list(self.group_rows)[:-MAX_GROUPS]:
+                    del self.group_rows[old]
             self._jobs[job.job_id] = job
             self.peak_jobs = max(self.peak_jobs, len(self._jobs))
             if self.delegate is None:
@@ -188,6 +202,10 @@ class Host:
             with self._lock:
                 self.counters.rows_done += 1
                 self.counters.generated_tokens += out.num_generated_tokens
+                counts = self.group_rows.get(job.group) if job.group is not None else None
+                if counts is not None:
+                    counts[1] += 1
+                    counts[2] += out.finish_reason == "error"
 
     def _on_fail(self, spec: EngineSpec, exc: BaseException, refs: list[RowRef]) -> None:
         """The engine could not load or crashed: its jobs fail (Dask retries them); rows held for
@@ -448,7 +466,9 @@ class Host:
             counters = dataclasses.asdict(self.counters)
             jobs = len(self._jobs)
             submitting = sum(self._submitting.values())
+            job_rows = {group: list(counts) for group, counts in self.group_rows.items()}
         return {"engines": engines, "counters": counters, "jobs": jobs, "submitting_rows": submitting,
+                "job_rows": job_rows,
                 "peak_jobs": self.peak_jobs,
                 "timeline": self.timeline.as_dict()}
 

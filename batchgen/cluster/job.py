@@ -36,6 +36,7 @@ class PartitionJob:
         self._done = threading.Event()
         self.failure: BaseException | None = None
         self.generated_tokens = 0
+        self.group: str | None = None  # the Dask task group of the task waiting for it (host.py: rows per job)
         if num_rows == 0:
             self._done.set()
 

@@ -10,23 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from distributed import Worker
+from .dask_task import current_worker, in_task
 
+if TYPE_CHECKING:
     from .host import Host
     from .job import PartitionJob
-
-
-def current_worker() -> Worker | None:
-    """The Dask worker this code runs on, or None (no distributed, or not on a worker)."""
-    try:
-        from distributed import get_worker
-    except ImportError:
-        return None
-    try:
-        return get_worker()
-    except ValueError:
-        return None
 
 
 def this_host() -> Host:
@@ -40,7 +28,7 @@ def this_host() -> Host:
 def wait_for(jobs: Iterable[PartitionJob]) -> None:
     """Block until every job is done; inside a task the thread slot is freed meanwhile, so the
     next partition can start and join the engine."""
-    if current_worker() is None or not _in_task():
+    if current_worker() is None or not in_task():
         for job in jobs:
             job.wait()
         return
@@ -52,9 +40,3 @@ def wait_for(jobs: Iterable[PartitionJob]) -> None:
             job.wait()
     finally:
         rejoin()
-
-
-def _in_task() -> bool:
-    from distributed.worker import thread_state
-
-    return getattr(thread_state, "key", None) is not None

@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 import torch
 from distributed import Client, Future, LocalCluster
+from distributed.utils import key_split_group
 
 import batchgen.cluster as bc
 from batchgen import Engine, SamplingParams
@@ -116,6 +117,25 @@ def test_map_partitions_equals_one_engine(client: Client, ckpt: Path, reference:
     with bc.progress(client, total=len(good), mode="lines", file=log, interval=0.2):
         assert lazy.compute()["generated_text"].tolist() == reference(good)
     assert f"{len(good)}/{len(good)} rows (100%)" in log.getvalue().splitlines()[-1]
+
+
+def _job_rows(dask_worker: Any) -> dict[str, list[int]]:
+    return dask_worker.extensions[EXTENSION].host.report()["job_rows"]
+
+
+def test_hosts_count_each_jobs_rows_and_error_rows(client: Client, ckpt: Path) -> None:
+    """What the dashboard shows per job: each host counts the rows of its tasks by task group
+    (done and failed), and the counts over the workers are the job's."""
+    pdf = rows(6, lambda i: 2)
+    pdf.loc[pdf.index[2], "prompt"] = ""  # fails alone (an empty prompt)
+    out = dd.from_pandas(pdf, npartitions=2).map_partitions(
+        bc.generate, model=ckpt, per_row={"max_tokens": "max_tokens"}, engine_options=OPTIONS, **GREEDY)
+    group = key_split_group(out.__dask_keys__()[0])  # the partitions' task group, as the scheduler names it
+    got = out.compute()
+    assert got["error"].notna().sum() == 1
+    reports = client.run(_job_rows)
+    totals = [sum(r.get(group, [0, 0, 0])[i] for r in reports.values()) for i in range(3)]
+    assert totals == [6, 6, 1], (group, reports)
 
 
 def test_long_partitions_migrate_to_the_idle_worker(client: Client, ckpt: Path, reference: Any) -> None:

@@ -257,7 +257,7 @@ def test_the_page_shows_workers_progress_and_migrations_as_metrics_has_them(
     assert shown[busy]["migrated_out"] > 0 and shown[idle]["migrated_in"] > 0
     jobs = page["batchgen-jobs"]
     assert jobs["name"][-1].startswith("generate-") and jobs["fraction"][-1] == 1.0  # this job: the newest bar
-    assert jobs["label"][-1].endswith("4/4 partitions")
+    assert jobs["label"][-1].endswith(f"{len(pdf)}/{len(pdf)} rows, 4/4 partitions")  # rows counted on the workers
     assert f'data-key="migrations">{m["migrations"]}<' in page["batchgen-summary"]
     assert f"data-worker='{busy}'" in page["batchgen-worker-table"]
     assert sorted(page["lines"]) == [f"batchgen-history {w}" for w in (busy, idle)]  # tokens/s per worker

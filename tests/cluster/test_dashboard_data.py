@@ -14,6 +14,7 @@ from batchgen.cluster.dashboard_data import (
     History,
     bar_columns,
     job_progress,
+    job_rows,
     migration_events,
     period_columns,
     summary,
@@ -65,6 +66,19 @@ def test_job_progress_counts_finished_and_failed_partitions() -> None:
     groups = {"generate-x": Group(states, 8)}
     (job,) = job_progress(groups, ["generate-x", "gone"])
     assert (job.total, job.done, job.erred, job.running, job.fraction) == (8, 3, 1, 3, 3 / 8)
+
+
+def test_job_rows_sum_the_workers_counts_and_label_the_errors() -> None:
+    reports = [{"job_rows": {"generate-x": [10, 7, 1], "other": [3, 3, 0]}}, {"job_rows": {"generate-x": [6, 6, 2]}},
+               {}]  # a worker with no batchgen task reports none
+    rows = job_rows(reports)
+    assert rows == {"generate-x": [16, 13, 3], "other": [3, 3, 0]}
+    groups = {"generate-x": Group({"memory": 3, "processing": 1}, 4)}
+    (job,) = job_progress(groups, ["generate-x"], rows)
+    assert (job.rows_total, job.rows_done, job.rows_failed) == (16, 13, 3)
+    assert job.label() == "generate-x: 13/16 rows, 3/4 partitions, 3 error rows"
+    (bare,) = job_progress(groups, ["generate-x"])  # no reports yet: partitions only
+    assert bare.label() == "generate-x: 3/4 partitions"
 
 
 def test_migration_events_are_wall_clock_milliseconds() -> None:
