@@ -21,15 +21,21 @@ def current_worker() -> Worker | None:
 
 
 def current_task_group() -> str | None:
-    """The Dask task group of the task this code runs in (the scheduler's TaskGroup name: a
-    job's partitions share it), or None outside a task."""
-    worker = current_worker()
-    if worker is None or not in_task():
+    """The Dask task group of the task running on this thread (the scheduler's TaskGroup name:
+    a job's partitions share it), or None outside a task. Read from the thread's own task key:
+    never a lookup that can fail or wait."""
+    try:
+        from distributed.utils import key_split_group
+        from distributed.worker import thread_state
+    except ImportError:
         return None
-    from distributed.utils import key_split_group
-
-    key = worker.get_current_task()
-    return key_split_group(key) if key is not None else None
+    key = getattr(thread_state, "key", None)
+    if key is None:
+        return None
+    try:
+        return key_split_group(key)
+    except Exception:  # noqa: BLE001 - a key of a shape this does not know: no group, no count
+        return None
 
 
 def in_task() -> bool:

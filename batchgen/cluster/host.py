@@ -205,7 +205,7 @@ class Host:
                 counts = self.group_rows.get(job.group) if job.group is not None else None
                 if counts is not None:
                     counts[1] += 1
-                    counts[2] += out.finish_reason == "error"
+                    counts[2] += getattr(out, "error", None) is not None  # text and image outputs alike
 
     def _on_fail(self, spec: EngineSpec, exc: BaseException, refs: list[RowRef]) -> None:
         """The engine could not load or crashed: its jobs fail (Dask retries them); rows held for
