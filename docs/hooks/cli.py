@@ -1,7 +1,7 @@
 """MkDocs hook: renders `batchgen --help` and each subcommand's `--help` into the CLI reference.
 
 A page writes a line `<!-- cli-help -->`; the hook replaces it with the help texts, taken from the
-argparse parser at build time, so the flags are documented once (in batchgen/cli.py).
+argparse parser at build time, so the flags are documented once (in batchgen/cli/parser.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,6 @@
+"""`python -m batchgen.cli`: the `batchgen` command."""
+import sys
+
+from batchgen.cli import main
+
+sys.exit(main())
