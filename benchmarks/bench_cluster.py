@@ -47,6 +47,8 @@ from distributed import Client, LocalCluster, get_worker
 import batchgen.cluster as bc
 from batchgen.policy.balance import BalanceConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # the checkpoint builders
+
 
 def make_rows(n: int, vocab: int, min_tokens: int, max_tokens: int, seed: int,
               lengths: str = "uniform") -> pd.DataFrame:
@@ -314,7 +316,9 @@ def main() -> None:
                     help="measure only (a): this many alternated batchgen / transformers pairs (best, median)")
     args = ap.parse_args()
 
-    from batchgen.demo import PAD_ID, build_demo_model, tokenizer_vocab_size
+    from demo_builder import build_demo_model, tokenizer_vocab_size
+
+    from batchgen.demo import PAD_ID
 
     model = args.model or str(build_demo_model(Path(tempfile.gettempdir()) / "batchgen-bench-demo", dtype="float32"))
     vocab = tokenizer_vocab_size(model)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +28,9 @@ from pathlib import Path
 import torch
 
 from batchgen import Engine, SamplingParams
-from batchgen.demo import build_demo_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # the checkpoint builders
+from demo_builder import build_demo_model  # noqa: E402
 
 
 def workload(rows: int, instructions: int, instruction_tokens: int, vocab: int, seed: int

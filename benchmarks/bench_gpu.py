@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import workload  # noqa: E402
 
 from batchgen import Engine, SamplingParams  # noqa: E402
-from batchgen.demo import build_demo_model  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # the checkpoint builders
+from demo_builder import build_demo_model  # noqa: E402
 
 
 def run_engine(model_dir: Path, prompts: list[list[int]], lengths: list[int], **options: object

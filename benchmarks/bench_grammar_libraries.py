@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,7 +26,10 @@ from typing import Any
 
 import torch
 
-from batchgen.demo import EOS_ID, train_tokenizer
+from batchgen.demo import EOS_ID
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # the checkpoint builders
+from demo_builder import train_tokenizer  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -30,8 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from bench_engine import run_batchgen, workload
-
-from batchgen.demo import build_demo_model
+from demo_builder import build_demo_model
 
 # Runs the converter with two patches: our byte-level BPE tokenizers' pre-tokenizer hash is
 # unknown to it (they are GPT-2's), and it imports sentencepiece even with no tokenizer.model.

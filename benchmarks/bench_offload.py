@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -30,8 +31,10 @@ import torch
 from bench_engine import generate_in_batches, run_batchgen, workload
 
 from batchgen import Engine
-from batchgen.demo import build_demo_model
 from batchgen.offload.disk import DiskExperts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # the checkpoint builders
+from demo_builder import build_demo_model  # noqa: E402
 
 
 def expert_bytes(model_dir: Path) -> tuple[int, int]:

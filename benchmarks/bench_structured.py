@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +26,9 @@ from typing import Any
 import torch
 
 from batchgen import Engine, SamplingParams, StructuredOutputsParams
-from batchgen.demo import build_demo_model, corpus
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # the checkpoint builders
+from demo_builder import build_demo_model, corpus  # noqa: E402
 
 MODEL = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=8, top_k=2,
              intermediate_size=128, vocab_size=1000, max_position_embeddings=1024, dtype="float32")

@@ -28,7 +28,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from batchgen.demo.dates import messy_date, messy_dates
 from batchgen.demo.prompt import DEMO_PROMPT, DEMO_STOP
-from batchgen.demo.random_model import BOS_ID, CHAT_TEMPLATE, EOS_ID, IM_END_ID, PAD_ID, SPECIAL_TOKENS
+from batchgen.demo.tokens import BOS_ID, CHAT_TEMPLATE, EOS_ID, IM_END_ID, PAD_ID, SPECIAL_TOKENS
 
 DEV_SEED = 1_000_003  # dev set for early stopping; the package's tests use other seeds
 

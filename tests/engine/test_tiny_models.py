@@ -10,11 +10,12 @@ import pytest
 import tiny_models
 import torch
 from conftest import mixed_prompts
+from demo_builder import build_demo_model, corpus
 from safetensors import safe_open
 from tiny_models import ARCHS, reference_generate, reference_logits, reference_model
 from tokenizers import Tokenizer
 
-from batchgen.demo import BOS_ID, build_demo_model, corpus
+from batchgen.demo import BOS_ID
 
 ARCH_NAMES = sorted(ARCHS)
 

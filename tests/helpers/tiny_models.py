@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import transformers
+from demo_builder import corpus, tokenizer_vocab_size, train_tokenizer
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
@@ -30,7 +31,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from batchgen.demo import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, corpus, tokenizer_vocab_size, train_tokenizer
+from batchgen.demo import BOS_ID, EOS_ID, IM_END_ID, PAD_ID
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()

@@ -15,9 +15,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from demo_builder import build_demo_model
 
 from batchgen.cli import main
-from batchgen.demo import build_demo_model
 from batchgen.io.openai_batch import record_error, record_key
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from demo_builder import build_demo_model
 
 from batchgen.cli import main
-from batchgen.demo import build_demo_model
 from batchgen.io.openai_batch import record_error
 from batchgen.io.report import DEFAULT_MAX_ERROR_RATE, EXIT_TOO_MANY_ERRORS
 

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+from demo_builder import build_demo_model
 
 from batchgen.cli import main
-from batchgen.demo import build_demo_model
 from batchgen.io.parquet import LOGPROBS_TYPE, OUTPUT_COLUMNS
 
 TINY: dict[str, Any] = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,

@@ -11,10 +11,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from demo_builder import build_demo_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchgen.demo import build_demo_model
 from batchgen.engine import Engine
 from batchgen.io.backend import EngineBackend
 from batchgen.io.job import run_file_job

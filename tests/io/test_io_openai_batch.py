@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from demo_builder import train_tokenizer
 
-from batchgen.demo import EOS_ID, train_tokenizer
+from batchgen.demo import EOS_ID
 from batchgen.io.openai_batch import (
     OpenAIBatchReader,
     error_record,

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from demo_builder import build_demo_model
 
 from batchgen.cli import main
-from batchgen.demo import build_demo_model
 from batchgen.io.faults import JobAborted
 from batchgen.io.job import run_job
 from batchgen.io.jsonl_sink import JsonlSink

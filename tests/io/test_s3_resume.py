@@ -19,8 +19,7 @@ from typing import Any
 
 import pyarrow.dataset as ds
 import pytest
-
-from batchgen.demo import build_demo_model
+from demo_builder import build_demo_model
 
 moto_server = pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")

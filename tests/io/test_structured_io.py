@@ -12,11 +12,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from demo_builder import build_demo_model
 
 from batchgen import StructuredOutputsParams
 from batchgen.cli import main
 from batchgen.cluster import generate
-from batchgen.demo import build_demo_model
 from batchgen.engine import Engine
 from batchgen.io.job import run_file_job
 from batchgen.io.spec import JobSpec
