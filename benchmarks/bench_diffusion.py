@@ -72,7 +72,7 @@ def _static_on(pipe: Any, reqs: list[Any]) -> float:
 
     subs: dict[tuple, list[Any]] = {}
     for r in reqs:
-        subs.setdefault((r.height, r.width, r.uses_guidance), []).append(r)
+        subs.setdefault((r.height, r.width, (r.guidance_scale or 0) > 1), []).append(r)
     with torch.no_grad():
         for (h, w, cfg), rs in subs.items():
             rows = len(rs) * (2 if cfg else 1)
@@ -192,7 +192,7 @@ def main() -> int:
         deadlines = []
         for r in reqs:
             n = (r.height // 4) ** 2  # patch 2 x VAE 2
-            alone = remaining_work(TrajView(0, (), n, 2 if r.uses_guidance else 1, r.num_inference_steps, 0.0), cost)
+            alone = remaining_work(TrajView(0, (), n, 2 if (r.guidance_scale or 0) > 1 else 1, r.num_inference_steps, 0.0), cost)
             deadlines.append(args.slo * alone)
         best: dict[str, tuple] = {}
         cpus: dict[str, list[float]] = {}  # worker processes' CPU seconds per run: robust to other load

@@ -17,6 +17,9 @@ def request_error(pipe: Any, req: ImageRequest, max_image_tokens: int) -> str | 
     err = req.basic_error()
     if err:
         return err
+    if req.guidance_scale is not None and not pipe.has_guidance:
+        return (f"guidance_scale {req.guidance_scale!r}: this {pipe.pipeline_class} has no guidance (a distilled "
+                f"model without guidance_embeds, e.g. Flux.1-schnell); leave guidance_scale unset")
     if pipe.family == "dit":
         if req.prompt is not None:
             return "this DiT pipeline is class-conditional: give class_label, not prompt"

@@ -1,9 +1,12 @@
-"""Conditioning, computed once per request at admission: DiT class labels, PixArt T5 embeddings."""
+"""Conditioning, computed once per request at admission: DiT class labels, PixArt T5 embeddings,
+SD3 / Flux joint text embeddings and pooled vectors (mmdit_text.py)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+
+from .pipeline import MMDIT
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -11,6 +14,8 @@ if TYPE_CHECKING:
 
 def prompt_error(pipe: Pipeline, prompt: str) -> str | None:
     """A prompt longer than the pipeline's padded length is refused (diffusers would cut it)."""
+    if pipe.family in MMDIT:
+        return pipe.text_encoder.prompt_error(prompt)
     n = pipe.tokenizer.count(prompt)
     if n > pipe.max_sequence_length:
         return f"prompt is {n} tokens, longer than this pipeline's max_sequence_length {pipe.max_sequence_length}"
@@ -19,7 +24,10 @@ def prompt_error(pipe: Pipeline, prompt: str) -> str | None:
 
 @torch.no_grad()
 def encode_prompts(pipe: Pipeline, prompts: list[str]) -> list[dict[str, torch.Tensor]]:
-    """-> per prompt {"embeds": [L, D], "mask": [L]} (L = max_sequence_length, padded as PixArt)."""
+    """-> per prompt {"embeds": [L, D], "mask": [L]} (L = max_sequence_length, padded as PixArt);
+    SD3 / Flux: {"embeds": [L, D], "pooled": [P]}."""
+    if pipe.family in MMDIT:
+        return [{k: v.to(pipe.transformer.dtype) for k, v in c.items()} for c in pipe.text_encoder.encode(prompts)]
     ids, mask = pipe.tokenizer.batch(prompts, pipe.max_sequence_length)
     device = pipe.text_encoder.device
     mask = mask.to(device)

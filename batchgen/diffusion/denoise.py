@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import ddim_batch
+from . import ddim_batch, schedulers
 from .forward import predict
+from .mmdit import mmdit_cond
 from .packed import predict_packed
+from .pipeline import MMDIT
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -35,6 +37,35 @@ class Live:
         self.batched = not self.stochastic and ddim_batch.batchable(self.scheduler)
 
 
+def new_scheduler(pipe: Pipeline, traj: Trajectory, device: str) -> Any:
+    """A fresh scheduler for `traj` (its steps, and its size where the family shifts by it)."""
+    return schedulers.make_scheduler(pipe.scheduler_class, pipe.scheduler_config, traj.num_steps, device,
+                                     pipe.timing(traj.height, traj.width, traj.num_steps))
+
+
+def start(pipe: Pipeline, traj: Trajectory, device: str) -> Live:
+    """A trajectory's first state: its scheduler and its initial noise [C, h, w], drawn as the
+    family's diffusers pipeline draws it. ValueError: the scheduler refuses the request."""
+    gen = torch.Generator(device="cpu").manual_seed(traj.request.seed)
+    sched = new_scheduler(pipe, traj, device)
+    shape = (1, pipe.latent_channels, traj.height // pipe.vae_scale_factor, traj.width // pipe.vae_scale_factor)
+    latents = torch.randn(shape, generator=gen, dtype=pipe.transformer.dtype).to(device)
+    if pipe.family == "pixart":  # DiT, SD3 and Flux do not scale their initial noise
+        latents = latents * sched.init_noise_sigma
+    traj.latents = latents[0]
+    return Live(sched, gen, pipe.scheduler_class in schedulers.STOCHASTIC)
+
+
+def resumed(pipe: Pipeline, traj: Trajectory, device: str) -> Live:
+    """A suspended trajectory's live objects, rebuilt from its state."""
+    timing = pipe.timing(traj.height, traj.width, traj.num_steps)
+    sched = schedulers.restore(pipe.scheduler_class, pipe.scheduler_config, traj.num_steps, traj.scheduler_state,
+                               device, timing)
+    gen = torch.Generator(device="cpu")
+    gen.set_state(traj.rng_state)
+    return Live(sched, gen, pipe.scheduler_class in schedulers.STOCHASTIC)
+
+
 def group_inputs(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], uncond: dict[str, torch.Tensor] | None
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """-> (x [B, C, h, w], t [B], cond) with rows: every trajectory's conditional row, then the
@@ -42,11 +73,15 @@ def group_inputs(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], unco
     xs, ts = [], []
     for traj, lv in zip(trajs, live):
         t = lv.scheduler.timesteps[traj.step]
-        xs.append(lv.scheduler.scale_model_input(traj.latents[None], t))
+        x = traj.latents[None]
+        # flow matching has no input scaling (diffusers' scheduler has no scale_model_input)
+        xs.append(x if pipe.family in MMDIT else lv.scheduler.scale_model_input(x, t))
         ts.append(t)
     guided = [i for i, traj in enumerate(trajs) if traj.uses_guidance]
     x = torch.cat(xs + [xs[i] for i in guided])
     t = torch.stack(ts + [ts[i] for i in guided])
+    if pipe.family in MMDIT:
+        return x, t, mmdit_cond(pipe, trajs, guided, uncond)
     if pipe.family == "dit":
         labels = [traj.cond["class_label"] for traj in trajs] + [pipe.null_class] * len(guided)
         return x, t, {"class_labels": torch.tensor(labels, device=x.device)}
@@ -76,7 +111,7 @@ def apply_output(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], out:
     guided = [i for i, traj in enumerate(trajs) if traj.uses_guidance]
     if guided:
         uncond = out[n:n + len(guided), :keep]
-        scale = torch.tensor([trajs[i].request.guidance_scale for i in guided], dtype=out.dtype,
+        scale = torch.tensor([trajs[i].cfg_scale for i in guided], dtype=out.dtype,
                              device=out.device).view((-1,) + (1,) * (out.dim() - 1))
         rows = torch.tensor(guided, device=out.device)
         pred = pred.clone()

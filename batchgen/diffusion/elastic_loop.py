@@ -81,11 +81,15 @@ def request_view(pipe: Any, index: int, req: ImageRequest, arrival: float, deadl
     f = pipe.vae_scale_factor
     key = ((pipe.latent_channels, h // f, w // f),)
     tokens = (h // f // pipe.patch_size) * (w // f // pipe.patch_size)
-    return TrajView(index, key, tokens, 2 if req.uses_guidance else 1, req.num_inference_steps, arrival, deadline)
+    rows = 2 if pipe.cfg_scale(req.guidance_scale) > 1 else 1
+    return TrajView(index, key, tokens, rows, req.num_inference_steps, arrival, deadline)
 
 
 def allowed_degrees(pipe: Any, workers: int) -> tuple[int, ...]:
-    """Degrees the Ulysses split allows: they divide the attention heads."""
+    """Degrees the Ulysses split allows: they divide the attention heads (SD3 and Flux: 1, their
+    forward has no sequence-parallel path)."""
+    if pipe.family in ("sd3", "flux"):
+        return (1,)
     heads = pipe.transformer.config.num_attention_heads
     return tuple(d for d in range(1, workers + 1) if heads % d == 0)
 

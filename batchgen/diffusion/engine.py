@@ -26,7 +26,7 @@ from . import schedulers
 from .admission import IMAGE_TOKENS_OVER_NATIVE, request_error
 from .condition import encode_prompts
 from .decode import decode, to_pil
-from .denoise import Live, step_group, step_groups
+from .denoise import Live, new_scheduler, resumed, start, step_group, step_groups
 from .output import ImageOutput
 from .pipeline import load_pipeline
 from .request import ImageRequest
@@ -90,8 +90,9 @@ class DiffusionEngine:
         tid = self._next_tid
         self._next_tid += 1
         h, w = req.height or self.pipe.native_size, req.width or self.pipe.native_size
-        traj = Trajectory(tid=tid, request=req, height=h, width=w, model_key=self.model_key)
         err = self.check(req)
+        cfg = self.pipe.cfg_scale(req.guidance_scale) if err is None else 1.0
+        traj = Trajectory(tid=tid, request=req, height=h, width=w, model_key=self.model_key, cfg_scale=cfg)
         if err:
             traj.error = err
             traj.move(Status.FAILED, "rejected at admission")
@@ -164,7 +165,7 @@ class DiffusionEngine:
         if live is not None and traj.status is Status.DENOISED:
             traj.latents = traj.latents.cpu()
         elif live is not None:
-            fresh = schedulers.make_scheduler(self.pipe.scheduler_class, self.pipe.scheduler_config, traj.num_steps)
+            fresh = new_scheduler(self.pipe, traj, "cpu")
             traj.scheduler_state = schedulers.read_state(live.scheduler, fresh)
             traj.rng_state = live.generator.get_state()
             traj.latents = traj.latents.cpu()
@@ -186,9 +187,9 @@ class DiffusionEngine:
         """Continue a suspended trajectory here; -> its new id on this engine."""
         traj = from_bytes(data, self.model_key)
         length = traj.cond["embeds"].shape[0] if "embeds" in traj.cond else None
-        if length is not None and length != self.pipe.max_sequence_length:
-            raise StateError(f"trajectory's prompt is padded to {length} tokens, this engine's "
-                             f"max_sequence_length is {self.pipe.max_sequence_length}")
+        if length is not None and length != self.pipe.text_length:
+            raise StateError(f"trajectory's prompt is padded to {length} tokens, this engine's prompts "
+                             f"to {self.pipe.text_length} (max_sequence_length {self.pipe.max_sequence_length})")
         tid = self._next_tid
         self._next_tid += 1
         traj.tid = tid
@@ -197,11 +198,7 @@ class DiffusionEngine:
         if traj.status is Status.RUNNING:
             traj.latents = traj.latents.to(self.device)
             traj.cond = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in traj.cond.items()}
-            sched = schedulers.restore(self.pipe.scheduler_class, self.pipe.scheduler_config, traj.num_steps,
-                                       traj.scheduler_state, self.device)
-            gen = torch.Generator(device="cpu")
-            gen.set_state(traj.rng_state)
-            self._live[tid] = Live(sched, gen, self.pipe.scheduler_class in schedulers.STOCHASTIC)
+            self._live[tid] = resumed(self.pipe, traj, self.device)
             self._ensure_uncond()
         traj.reasons.append(f"resumed at step {traj.step}")
         self._trajs[tid] = traj
@@ -355,7 +352,8 @@ class DiffusionEngine:
         return TrajView(t.tid, t.group_key, tokens, 2 if t.uses_guidance else 1, t.remaining_steps, arrival, deadline)
 
     def _ensure_uncond(self) -> None:
-        if self.pipe.family == "pixart" and self._uncond is None:
+        # the empty prompt, as PixArt's and SD3's negative prompt defaults (Flux has no CFG here)
+        if self.pipe.family in ("pixart", "sd3") and self._uncond is None:
             self._uncond = encode_prompts(self.pipe, [""])[0]
 
     def _admit(self) -> None:
@@ -363,7 +361,7 @@ class DiffusionEngine:
         if not waiting:
             return
         pipe = self.pipe
-        if pipe.family == "pixart":
+        if pipe.family != "dit":
             self._ensure_uncond()
             for t, cond in zip(waiting, encode_prompts(pipe, [t.request.prompt for t in waiting])):
                 t.cond = cond
@@ -371,21 +369,12 @@ class DiffusionEngine:
             for t in waiting:
                 t.cond = {"class_label": t.request.class_label}
         for t in waiting:
-            req = t.request
-            gen = torch.Generator(device="cpu").manual_seed(req.seed)
             try:
-                sched = schedulers.make_scheduler(pipe.scheduler_class, pipe.scheduler_config, req.num_inference_steps,
-                                                  self.device)
+                self._live[t.tid] = start(pipe, t, self.device)
             except ValueError as exc:  # e.g. more steps than the scheduler's num_train_timesteps
-                t.error = f"num_inference_steps {req.num_inference_steps}: {exc}"
+                t.error = f"num_inference_steps {t.request.num_inference_steps}: {exc}"
                 t.move(Status.FAILED, "rejected at admission")
                 continue
-            shape = (1, pipe.latent_channels, t.height // pipe.vae_scale_factor, t.width // pipe.vae_scale_factor)
-            latents = torch.randn(shape, generator=gen, dtype=pipe.transformer.dtype).to(self.device)
-            if pipe.family == "pixart":  # DiTPipeline does not scale its initial noise
-                latents = latents * sched.init_noise_sigma
-            t.latents = latents[0]
-            self._live[t.tid] = Live(sched, gen, pipe.scheduler_class in schedulers.STOCHASTIC)
             t.move(Status.RUNNING, "admitted")
 
     def _decode_finished(self, only: Collection[int] | None = None) -> None:

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from .mmdit import predict_mmdit
 from .packed import predict_packed
+from .pipeline import MMDIT
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -24,7 +26,12 @@ if TYPE_CHECKING:
 def predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor],
             sp: UlyssesShard | None = None) -> torch.Tensor:
     """x: [B, C, h, w], t: [B] -> model output [B, C_out, h, w]. cond: DiT {"class_labels": [B]};
-    PixArt {"embeds": [B, L, Dc], "mask": [B, L]} (+ "resolution" [B, 2], "aspect_ratio" [B, 1])."""
+    PixArt {"embeds": [B, L, Dc], "mask": [B, L]} (+ "resolution" [B, 2], "aspect_ratio" [B, 1]);
+    SD3 / Flux: mmdit.mmdit_cond's (no sequence parallelism: their attention is diffusers')."""
+    if pipe.family in MMDIT:
+        if sp is not None:
+            raise ValueError(f"sequence-parallel forwards are not implemented for {pipe.pipeline_class}")
+        return predict_mmdit(pipe, x, t, cond)
     if sp is None and pipe.packs:
         return predict_packed(pipe, [(x, t, cond)])[0]
     m = pipe.transformer

@@ -6,8 +6,9 @@ What is ours and what is diffusers' (the `batchgen[diffusion]` extra), part by p
   sequence parallelism needs the token axis between patch embedding and unpatchify.
 - schedulers: diffusers' (dozens of numerically fussy variants; exact agreement matters more
   than owning them); their state is read out and put back by schedulers.py.
-- T5 text encoder and tokenizer: ours (t5.py: plain torch over the safetensors, `tokenizers` over
-  tokenizer.json); transformers' T5 is the test oracle, not a runtime dependency.
+- text encoders and tokenizers: ours (t5.py, clip.py: plain torch over the safetensors, `tokenizers`
+  over tokenizer.json or vocab.json + merges.txt); transformers is the test oracle, not a runtime
+  dependency. SD3's and Flux's three / two encoders are put together by mmdit_text.py.
 """
 from __future__ import annotations
 
@@ -18,17 +19,28 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelLoadError, UnsupportedModelError
-from .schedulers import check_scheduler, make_scheduler
+from .schedulers import FLOW, Timing, calculate_shift, check_scheduler, make_scheduler
 
 # pipeline class -> (family, components it must have)
 PIPELINES: dict[str, tuple[str, tuple[str, ...]]] = {
     "DiTPipeline": ("dit", ("transformer", "vae", "scheduler")),
     "PixArtAlphaPipeline": ("pixart", ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")),
     "PixArtSigmaPipeline": ("pixart", ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")),
+    # text_encoder_3 / tokenizer_3 (T5) are optional for SD3: without them diffusers feeds zeros
+    "StableDiffusion3Pipeline": ("sd3", ("transformer", "vae", "scheduler", "text_encoder", "tokenizer",
+                                         "text_encoder_2", "tokenizer_2")),
+    "FluxPipeline": ("flux", ("transformer", "vae", "scheduler", "text_encoder", "tokenizer", "text_encoder_2",
+                              "tokenizer_2")),
 }
-TRANSFORMERS = {"dit": "DiTTransformer2DModel", "pixart": "PixArtTransformer2DModel"}
-# PixArt's own defaults (diffusers' __call__): alpha pads prompts to 120 T5 tokens, sigma to 300.
-MAX_SEQUENCE_LENGTH = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300}
+TRANSFORMERS = {"dit": "DiTTransformer2DModel", "pixart": "PixArtTransformer2DModel",
+                "sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
+MMDIT = ("sd3", "flux")  # joint text-image attention, flow matching, pooled text conditioning
+# The pipelines' own defaults (diffusers' __call__): T5 tokens a prompt is padded to.
+MAX_SEQUENCE_LENGTH = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300, "StableDiffusion3Pipeline": 256,
+                       "FluxPipeline": 512}
+# guidance_scale when a request gives none: diffusers' SD3 (7.0) and Flux-dev (3.5) defaults; DiT
+# and PixArt keep batchgen's earlier 4.0 (diffusers: DiT 4.0, PixArt 4.5) so their images stay the same
+DEFAULT_GUIDANCE = {"dit": 4.0, "pixart": 4.0, "sd3": 7.0, "flux": 3.5}
 
 
 @dataclass
@@ -37,11 +49,12 @@ class Pipeline:
 
     path: Path
     pipeline_class: str
-    family: str                      # "dit" | "pixart"
+    family: str                      # "dit" | "pixart" | "sd3" | "flux"
     transformer: Any
     vae: Any
     scheduler_class: str
     scheduler_config: dict[str, Any]
+    scheduler_options: dict[str, Any] = field(default_factory=dict)  # its config with the class defaults filled in
     text_encoder: Any = None
     tokenizer: Any = None
     id2label: dict[int, str] = field(default_factory=dict)
@@ -50,11 +63,13 @@ class Pipeline:
 
     @property
     def latent_channels(self) -> int:
-        return int(self.transformer.config.in_channels)
+        # Flux's transformer takes 2x2 patches of the latents packed into its channels
+        return int(self.transformer.config.in_channels) // (4 if self.family == "flux" else 1)
 
     @property
     def patch_size(self) -> int:
-        return int(self.transformer.config.patch_size)
+        """Latent pixels per image token side (Flux: the pipeline's 2x2 packing; its config says 1)."""
+        return 2 if self.family == "flux" else int(self.transformer.config.patch_size)
 
     @property
     def vae_scale_factor(self) -> int:
@@ -62,7 +77,9 @@ class Pipeline:
 
     @property
     def native_size(self) -> int:
-        return int(self.transformer.config.sample_size) * self.vae_scale_factor
+        # FluxPipeline's default_sample_size is 128 latent pixels; its transformer config has none
+        sample = 128 if self.family == "flux" else int(self.transformer.config.sample_size)
+        return sample * self.vae_scale_factor
 
     @property
     def pixel_multiple(self) -> int:
@@ -70,13 +87,59 @@ class Pipeline:
 
     @property
     def learned_sigma(self) -> bool:
+        if self.family in MMDIT:
+            return False
         return int(self.transformer.config.out_channels) // 2 == self.latent_channels
+
+    @property
+    def guidance_embeds(self) -> bool:
+        """Flux-dev: guidance is an input of the transformer (distilled), not a second row."""
+        return self.family == "flux" and bool(self.transformer.config.guidance_embeds)
+
+    @property
+    def has_guidance(self) -> bool:
+        """Whether guidance_scale means anything here (Flux-schnell has none)."""
+        return self.family != "flux" or self.guidance_embeds
+
+    def guidance(self, guidance_scale: float | None) -> float:
+        """A request's guidance_scale, or this family's default when it gives none."""
+        return DEFAULT_GUIDANCE[self.family] if guidance_scale is None else float(guidance_scale)
+
+    def cfg_scale(self, guidance_scale: float | None) -> float:
+        """The classifier-free guidance scale (> 1: an unconditional row joins each forward);
+        1.0 for Flux, whose guidance is embedded or absent."""
+        return 1.0 if self.family == "flux" else self.guidance(guidance_scale)
 
     @property
     def micro_conditions(self) -> bool:
         # PixArt-alpha 1024px checkpoints condition on resolution and aspect ratio (diffusers'
         # test: sample_size == 128); sigma never does.
         return self.pipeline_class == "PixArtAlphaPipeline" and int(self.transformer.config.sample_size) == 128
+
+    @property
+    def text_length(self) -> int:
+        """Tokens in a prompt's embeddings (SD3: CLIP's and T5's)."""
+        return self.text_encoder.text_length if self.family in MMDIT else self.max_sequence_length
+
+    def timing(self, height: int, width: int, steps: int) -> Timing:
+        """set_timesteps' extra arguments for one request, as the SD3 / Flux pipeline passes them."""
+        if self.family not in MMDIT:
+            return Timing()
+        cfg = self.scheduler_options
+        m = self.pixel_multiple
+        tokens = (height // m) * (width // m)
+        # SD3 computes mu only with dynamic shifting, Flux always (ignored without); their
+        # defaults for a key missing from the scheduler's config differ (max_shift 1.16 / 1.15)
+        mu = None
+        if self.family == "flux" or cfg.get("use_dynamic_shifting"):
+            mu = calculate_shift(tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                                 cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16 if self.family == "sd3" else 1.15))
+        sigmas = None
+        if self.family == "flux" and not cfg.get("use_flow_sigmas"):
+            import numpy as np
+
+            sigmas = tuple(np.linspace(1.0, 1 / steps, steps).tolist())
+        return Timing(mu, sigmas)
 
     @property
     def null_class(self) -> int:
@@ -106,6 +169,10 @@ def read_index(path: str | os.PathLike) -> tuple[Path, dict[str, Any], str]:
             raise ModelLoadError(f"{root}: model_index.json entry {name!r} must be [library, class], got {entry!r}")
         if not entry or entry[1] is None or not (root / name).is_dir():
             raise ModelLoadError(f"{root}: {cls} needs a {name!r} component (model_index.json entry and {name}/ folder)")
+    for name in ("text_encoder_3", "tokenizer_3") if family == "sd3" else ():
+        entry = index.get(name)
+        if entry and entry[1] is not None and not (root / name).is_dir():
+            raise ModelLoadError(f"{root}: model_index.json names {name!r} but there is no {name}/ folder")
     if index["transformer"][1] != TRANSFORMERS[family]:
         raise UnsupportedModelError(f"{root}: transformer class {index['transformer'][1]!r} is not supported "
                                     f"for {cls} (expected {TRANSFORMERS[family]})")
@@ -128,7 +195,7 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
     sched_class = index["scheduler"][1]
     check_scheduler(sched_class, sched_config, where=str(root), family=family)
     try:  # a bad config value fails here, not at the first request
-        make_scheduler(sched_class, sched_config, 1)
+        built = make_scheduler(sched_class, sched_config, 1, timing=Timing(mu=1.0) if sched_class == FLOW else Timing())
     except Exception as exc:  # noqa: BLE001 - diffusers raises ValueError, NotImplementedError, ...
         raise ModelLoadError(f"{sched_file}: cannot build {sched_class} ({type(exc).__name__}: {exc})") from exc
 
@@ -140,12 +207,19 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
     vae = _load_module(diffusers.AutoencoderKL, root / "vae", torch_dtype)
     pipe = Pipeline(path=root, pipeline_class=cls, family=family, transformer=transformer.to(device).eval(),
                     vae=vae.to(device).eval(), scheduler_class=sched_class, scheduler_config=sched_config,
+                    scheduler_options=dict(built.config),
                     packs=packable(transformer) is None)
+    pipe.max_sequence_length = int(max_sequence_length or MAX_SEQUENCE_LENGTH.get(cls, 0))
     if family == "dit":
         pipe.id2label = {int(k): v for k, v in (index.get("id2label") or {}).items()}
+    elif family in MMDIT:
+        from .mmdit_text import MMDiTText
+
+        joint = int(transformer.config.joint_attention_dim)
+        pipe.text_encoder = _loading_text(root, lambda: MMDiTText.load(family, root, index, torch_dtype, device,
+                                                                       pipe.max_sequence_length, joint))
     else:
         _load_text(pipe, root, index, torch_dtype, device)
-        pipe.max_sequence_length = int(max_sequence_length or MAX_SEQUENCE_LENGTH[cls])
     return pipe
 
 
@@ -180,9 +254,14 @@ def _load_text(pipe: Pipeline, root: Path, index: dict[str, Any], torch_dtype: A
     enc_class = index["text_encoder"][1]
     if enc_class != "T5EncoderModel":
         raise UnsupportedModelError(f"{root}: text encoder class {enc_class!r} is not supported (expected T5EncoderModel)")
+    pipe.text_encoder = _loading_text(root, lambda: T5Encoder(root / "text_encoder", torch_dtype, device))
+    pipe.tokenizer = _loading_text(root, lambda: T5Tokens(root / "tokenizer"))
+
+
+def _loading_text(root: Path, load: Any) -> Any:
+    """load(); any failure but ours -> ModelLoadError naming the pipeline."""
     try:
-        pipe.text_encoder = T5Encoder(root / "text_encoder", torch_dtype, device)
-        pipe.tokenizer = T5Tokens(root / "tokenizer")
+        return load()
     except (ModelLoadError, UnsupportedModelError):
         raise
     except Exception as exc:  # noqa: BLE001 - OSError, JSON, SafetensorError, tokenizers' Exception, ...

@@ -9,14 +9,16 @@ from dataclasses import dataclass
 @dataclass(slots=True, frozen=True)
 class ImageRequest:
     """prompt (text-to-image pipelines) or class_label (DiT); height/width in pixels (None: the
-    model's native size); guidance_scale > 1 turns classifier-free guidance on (as diffusers)."""
+    model's native size); guidance_scale: None for the model's default (DiT, PixArt 4.0, SD3 7.0,
+    Flux-dev 3.5; Flux-schnell has no guidance and refuses one); > 1 turns classifier-free guidance
+    on for DiT, PixArt and SD3 (as diffusers); Flux-dev's is its distilled guidance input."""
 
     prompt: str | None = None
     class_label: int | None = None
     height: int | None = None
     width: int | None = None
     num_inference_steps: int = 20
-    guidance_scale: float = 4.0
+    guidance_scale: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -33,8 +35,9 @@ class ImageRequest:
         if not isinstance(self.num_inference_steps, int) or isinstance(self.num_inference_steps, bool) \
                 or self.num_inference_steps <= 0:
             return f"num_inference_steps must be a positive integer, got {self.num_inference_steps!r}"
-        if not isinstance(self.guidance_scale, (int, float)) or isinstance(self.guidance_scale, bool) \
-                or not math.isfinite(self.guidance_scale) or self.guidance_scale < 0:
+        if self.guidance_scale is not None and (
+                not isinstance(self.guidance_scale, (int, float)) or isinstance(self.guidance_scale, bool)
+                or not math.isfinite(self.guidance_scale) or self.guidance_scale < 0):
             return f"guidance_scale must be a finite number >= 0, got {self.guidance_scale!r}"
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             return f"seed must be an integer in [0, 2**63), got {self.seed!r}"
@@ -49,7 +52,3 @@ class ImageRequest:
         if self.class_label is not None and (not isinstance(self.class_label, int) or isinstance(self.class_label, bool)):
             return f"class_label must be an integer, got {self.class_label!r}"
         return None
-
-    @property
-    def uses_guidance(self) -> bool:
-        return self.guidance_scale > 1.0

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedModelError
 
 # deterministic: the image depends on the initial noise only.
-DETERMINISTIC = ("DDIMScheduler", "DPMSolverMultistepScheduler", "EulerDiscreteScheduler")
+DETERMINISTIC = ("DDIMScheduler", "DPMSolverMultistepScheduler", "EulerDiscreteScheduler",
+                 "FlowMatchEulerDiscreteScheduler")
+FLOW = "FlowMatchEulerDiscreteScheduler"  # SD3's and Flux's; the only one they run here
 # these draw noise every step from the trajectory's own generator (its RNG state travels).
 STOCHASTIC = ("DDPMScheduler",)
 SUPPORTED = DETERMINISTIC + STOCHASTIC
@@ -28,19 +31,48 @@ def check_scheduler(cls: str, config: dict[str, Any], where: str, family: str | 
         raise UnsupportedModelError(f"{where}: {cls} with algorithm_type={config['algorithm_type']!r} is not supported")
     if cls == "DDIMScheduler" and config.get("thresholding"):
         raise UnsupportedModelError(f"{where}: {cls} with thresholding=True is not supported")
+    flow_family = family in ("sd3", "flux")
+    if flow_family and cls != FLOW:
+        raise UnsupportedModelError(f"{where}: scheduler {cls!r} is not supported for {family} (supported: {FLOW})")
+    if cls == FLOW and family is not None and not flow_family:
+        raise UnsupportedModelError(f"{where}: {cls} is not supported for {family} (a flow-matching scheduler)")
+    if cls == FLOW and config.get("stochastic_sampling"):
+        # diffusers' SD3 and Flux pipelines step it without a generator: no reproducible image
+        raise UnsupportedModelError(f"{where}: {cls} with stochastic_sampling=True is not supported")
     if family == "dit" and cls in STOCHASTIC:
         # DiTPipeline steps the scheduler on the doubled CFG batch, drawing noise for both halves.
         raise UnsupportedModelError(f"{where}: DiTPipeline with the stochastic scheduler {cls!r} is not supported")
 
 
-def make_scheduler(cls: str, config: dict[str, Any], steps: int, device: str = "cpu") -> Any:
-    """A fresh scheduler after set_timesteps(steps): a deep copy of one made once per (class,
-    config, steps, device). from_config + set_timesteps cost ~4 ms a request on CPU (config
-    validation, building the tables), as much as a small image's forward."""
-    key = (cls, json.dumps(dict(config), sort_keys=True, default=repr), steps, str(device))
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """set_timesteps' arguments beyond the step count, as a flow-matching pipeline passes them:
+    mu (dynamic shifting by the image's tokens) and sigmas (Flux's linspace(1, 1/n, n))."""
+
+    mu: float | None = None
+    sigmas: tuple[float, ...] | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in (("mu", self.mu), ("sigmas", self.sigmas)) if v is not None}
+
+
+def calculate_shift(image_seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float,
+                    max_shift: float) -> float:
+    """diffusers' calculate_shift (SD3 and Flux pipelines), the same expressions: equal mu."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    b = base_shift - m * base_seq_len
+    return image_seq_len * m + b
+
+
+def make_scheduler(cls: str, config: dict[str, Any], steps: int, device: str = "cpu",
+                   timing: Timing = Timing()) -> Any:
+    """A fresh scheduler after set_timesteps(steps, **timing): a deep copy of one made once per
+    (class, config, steps, device, timing). from_config + set_timesteps cost ~4 ms a request on
+    CPU (config validation, building the tables), as much as a small image's forward."""
+    key = (cls, json.dumps(dict(config), sort_keys=True, default=repr), steps, str(device), timing)
     proto = _PROTOTYPES.get(key)
     if proto is None:
-        proto = _build(cls, config, steps, device)
+        proto = _build(cls, config, steps, device, timing)
         if len(_PROTOTYPES) >= _MAX_PROTOTYPES:
             _PROTOTYPES.pop(next(iter(_PROTOTYPES)))  # the oldest
         _PROTOTYPES[key] = proto
@@ -51,11 +83,11 @@ _PROTOTYPES: dict[tuple, Any] = {}
 _MAX_PROTOTYPES = 256
 
 
-def _build(cls: str, config: dict[str, Any], steps: int, device: str) -> Any:
+def _build(cls: str, config: dict[str, Any], steps: int, device: str, timing: Timing) -> Any:
     import diffusers
 
     sched = getattr(diffusers, cls).from_config(config)
-    sched.set_timesteps(steps, device=device)
+    sched.set_timesteps(steps, device=device, **timing.kwargs())
     if hasattr(sched, "set_begin_index"):
         sched.set_begin_index(0)  # as PixArt's pipeline does; DiT's leaves it None (same steps)
     return sched
@@ -67,8 +99,9 @@ def read_state(sched: Any, fresh: Any) -> dict[str, Any]:
             if k != "_internal_dict" and not _same(v, vars(fresh).get(k, _MISSING))}
 
 
-def restore(cls: str, config: dict[str, Any], steps: int, state: dict[str, Any], device: str = "cpu") -> Any:
-    sched = make_scheduler(cls, config, steps, device)
+def restore(cls: str, config: dict[str, Any], steps: int, state: dict[str, Any], device: str = "cpu",
+            timing: Timing = Timing()) -> Any:
+    sched = make_scheduler(cls, config, steps, device, timing)
     for k, v in state.items():
         setattr(sched, k, _to(v, device))
     return sched

@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import StateError
 from .request import ImageRequest
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: cfg_scale travels (a family's default guidance resolved at admission)
 
 
 class Status(enum.Enum):
@@ -45,6 +45,7 @@ class Trajectory:
     scheduler_state: dict[str, Any] = field(default_factory=dict)
     rng_state: Any = None
     model_key: str = ""
+    cfg_scale: float = 1.0  # classifier-free guidance scale (> 1: an unconditional row joins each forward)
     error: str | None = None
     reasons: list[str] = field(default_factory=list)  # why the status changed, in order
 
@@ -58,7 +59,7 @@ class Trajectory:
 
     @property
     def uses_guidance(self) -> bool:
-        return self.request.uses_guidance
+        return self.cfg_scale > 1.0
 
     @property
     def latent_shape(self) -> tuple[int, ...]:

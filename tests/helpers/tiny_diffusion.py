@@ -21,7 +21,7 @@ T5_MAX_LENGTH = 32  # PixArt pads prompts to max_sequence_length; tests pass it 
 
 
 @torch.no_grad()
-def _randomize(module: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
+def randomize(module: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
     # diffusers zero-initialises adaLN-Zero modulations and output projections: a DiT straight
     # from its constructor predicts 0 everywhere, which would hide most mistakes.
     gen = torch.Generator().manual_seed(seed)
@@ -38,7 +38,7 @@ def _vae(seed: int) -> Any:
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8),
                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
                         layers_per_block=1, norm_num_groups=4, sample_size=16)
-    _randomize(vae, seed, scale=0.5)
+    randomize(vae, seed, scale=0.5)
     return vae.eval()
 
 
@@ -58,7 +58,7 @@ def build_dit(path: str | os.PathLike, *, sched: str = "ddim", sample_size: int 
     transformer = DiTTransformer2DModel(num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4,
                                         out_channels=8, num_layers=layers, sample_size=sample_size, patch_size=2,
                                         num_embeds_ada_norm=1000, norm_type="ada_norm_zero")
-    _randomize(transformer, seed)
+    randomize(transformer, seed)
     pipe = DiTPipeline(transformer=transformer.eval(), vae=_vae(seed + 1), scheduler=scheduler(sched, **sched_kw),
                        id2label=DIT_LABELS)
     pipe.save_pretrained(path)
@@ -98,12 +98,12 @@ def build_pixart(path: str | os.PathLike, *, sched: str = "dpm", sample_size: in
     tokenizer = build_t5_tokenizer(path / "tokenizer")
     t5 = T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                  feed_forward_proj="gated-gelu", relative_attention_num_buckets=8))
-    _randomize(t5, seed + 2, scale=1.0)
+    randomize(t5, seed + 2, scale=1.0)
     transformer = PixArtTransformer2DModel(num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4,
                                            out_channels=8, num_layers=layers, sample_size=sample_size, patch_size=2,
                                            cross_attention_dim=heads * head_dim, caption_channels=32,
                                            norm_type="ada_norm_single", num_embeds_ada_norm=1000)
-    _randomize(transformer, seed)
+    randomize(transformer, seed)
     pipe = PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=t5.eval(), transformer=transformer.eval(),
                                vae=_vae(seed + 1), scheduler=scheduler(sched, **sched_kw))
     pipe.save_pretrained(path)
