@@ -211,3 +211,62 @@ def test_unsupported_components_fail_at_load(dirs, tmp_path):
     shutil.rmtree(gone / "tokenizer_3")
     with pytest.raises(ModelLoadError, match="tokenizer_3"):
         DiffusionEngine(gone)
+
+
+def test_a_failing_forward_fails_only_its_shape(dirs, monkeypatch):
+    engine = _engine(dirs["flux_schnell"])
+    forward = engine.pipe.transformer.forward
+
+    def fragile(*args, **kw):
+        if kw["hidden_states"].shape[1] == 32:  # 32 x 16 px: 8 x 4 packed tokens
+            raise RuntimeError("out of memory (simulated)")
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(engine.pipe.transformer, "forward", fragile)
+    reqs = _mixed("flux_schnell")
+    outs = engine.generate_outputs(reqs)
+    assert "denoising step 0 failed: RuntimeError: out of memory (simulated)" in outs[2].error
+    for r, o in zip(reqs[:2], outs[:2]):
+        ref = tm.reference(dirs["flux_schnell"], r.prompt, r.height, r.width, r.num_inference_steps, None, r.seed)
+        assert o.error is None and _gap(o.array, ref) <= TOL
+
+
+def test_batchgen_run_and_diffuse_take_mmdit_pipelines(dirs, tmp_path, capsys):
+    """`batchgen run` on an image JSONL (Flux-schnell, the pipeline's own max_sequence_length) and
+    batchgen.diffuse on a DataFrame (SD3), both in this process, as for DiT and PixArt."""
+    import pandas as pd
+    from PIL import Image
+
+    import batchgen
+    from batchgen.cli import main
+
+    def line(cid: str, body: dict) -> str:
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/images/generations", "body": body})
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join([line("a", {"prompt": "a red fox", "size": "24x16", "n": 2, "num_inference_steps": 2, "seed": 1}),
+                              line("b", {"prompt": "a fox", "size": "16x16", "guidance_scale": 3.5}),
+                              line("c", {"prompt": "a fox", "size": "18x16"})]) + "\n")
+    assert main(["run", "--model", str(dirs["flux_schnell"]), "--input", str(inp), "--output", str(out),
+                 "--progress", "off", "--max-error-rate", "1"]) == 0
+    by_id = {r["custom_id"]: r["response"] for r in map(json.loads, out.read_text().splitlines())}
+    assert "guidance_scale 3.5: this FluxPipeline has no guidance" in by_id["b"]["body"]["error"]["message"]
+    assert by_id["b"]["status_code"] == 400 and by_id["c"]["status_code"] == 400
+    assert "width 18 is not a multiple of 4" in by_id["c"]["body"]["error"]["message"]
+    got = [np.asarray(Image.open(d["url"])) for d in by_id["a"]["body"]["data"]]
+    want = DiffusionEngine(dirs["flux_schnell"]).generate(
+        [ImageRequest(prompt="a red fox", height=16, width=24, num_inference_steps=2, seed=s) for s in (1, 2)])
+    for g, w in zip(got, want):
+        assert g.shape == (16, 24, 3) and np.abs(g.astype(int) - np.asarray(w).astype(int)).max() <= 1
+
+    pdf = pd.DataFrame({"prompt": ["a red fox", "a cat", "a dog"], "height": [16, 32, 16], "width": [24, 16, 18],
+                        "num_inference_steps": [2, 3, 2], "guidance_scale": [4.0, None, None], "seed": [0, 1, 2]})
+    res = batchgen.diffuse(pdf, model=dirs["sd3"], output_dir=tmp_path / "png",
+                           engine_options={"max_sequence_length": tm.T5_LENGTH})
+    assert res["error"].isna().tolist() == [True, True, False] and "width 18" in res["error"][2]
+    want = _engine(dirs["sd3"]).generate([ImageRequest(prompt=p, height=h, width=w, num_inference_steps=n, seed=s,
+                                                       guidance_scale=g)
+                                          for p, h, w, n, s, g in zip(pdf.prompt, pdf.height, pdf.width,
+                                                                      pdf.num_inference_steps, pdf.seed, (4.0, None))])
+    for path, w in zip(res["image_path"][:2], want):
+        assert np.abs(np.asarray(Image.open(path)).astype(int) - np.asarray(w).astype(int)).max() <= 1
