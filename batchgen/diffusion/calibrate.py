@@ -31,10 +31,14 @@ def time_forward(pipe, rows: int, latent: int, repeats: int = 3, sp=None, warm: 
     import torch
 
     from .forward import predict
+    from .mmdit import timing_cond
+    from .pipeline import MMDIT
 
     x = torch.randn(rows, pipe.latent_channels, latent, latent)
     t = torch.full((rows,), 500, dtype=torch.long)
-    if pipe.family == "dit":
+    if pipe.family in MMDIT:
+        cond = timing_cond(pipe, rows)
+    elif pipe.family == "dit":
         cond = {"class_labels": torch.zeros(rows, dtype=torch.long)}
     else:
         width = pipe.text_encoder.config.d_model

@@ -38,6 +38,16 @@ def mmdit_cond(pipe: Pipeline, trajs: list[Trajectory], guided: list[int],
     return cond
 
 
+def timing_cond(pipe: Pipeline, rows: int) -> dict[str, torch.Tensor]:
+    """Random conditioning of the right shapes for `rows` rows: what a timed forward needs."""
+    cfg = pipe.transformer.config
+    cond = {"embeds": torch.randn(rows, pipe.text_length, int(cfg.joint_attention_dim)),
+            "pooled": torch.randn(rows, int(cfg.pooled_projection_dim))}
+    if pipe.guidance_embeds:
+        cond["guidance"] = torch.full((rows,), 3.5)
+    return cond
+
+
 def predict_mmdit(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
     """x: [B, C, h, w] latents, t: [B] the schedulers' timesteps (sigma x 1000) -> the predicted
     velocity [B, C, h, w]."""

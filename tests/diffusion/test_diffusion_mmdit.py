@@ -270,3 +270,15 @@ def test_batchgen_run_and_diffuse_take_mmdit_pipelines(dirs, tmp_path, capsys):
                                                                       pdf.num_inference_steps, pdf.seed, (4.0, None))])
     for path, w in zip(res["image_path"][:2], want):
         assert np.abs(np.asarray(Image.open(path)).astype(int) - np.asarray(w).astype(int)).max() <= 1
+
+
+def test_calibrate_times_mmdit_forwards(dirs):
+    from batchgen.diffusion.calibrate import calibrate
+    from batchgen.diffusion.elastic_loop import allowed_degrees
+    from batchgen.diffusion.pipeline import load_pipeline
+
+    for family in ("sd3", "flux_dev"):
+        pipe = load_pipeline(dirs[family], max_sequence_length=tm.T5_LENGTH)
+        cost = calibrate(pipe, rows=(1, 2), latents=(4, 8))
+        assert cost.fixed >= 0 and cost.per_token >= 0
+        assert allowed_degrees(pipe, 4) == (1,)  # no sequence-parallel path: the elastic driver keeps degree 1
