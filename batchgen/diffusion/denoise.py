@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import ddim_batch, schedulers
+from . import ddim_batch, flow_batch, schedulers
 from .forward import predict
 from .mmdit import mmdit_cond
 from .packed import predict_packed
@@ -34,7 +34,8 @@ class Live:
     batched: bool = field(init=False)  # its steps can join one ddim_batch step (read once, not every step)
 
     def __post_init__(self) -> None:
-        self.batched = not self.stochastic and ddim_batch.batchable(self.scheduler)
+        self.batched = not self.stochastic and (ddim_batch.batchable(self.scheduler)
+                                                or flow_batch.batchable(self.scheduler))
 
 
 def new_scheduler(pipe: Pipeline, traj: Trajectory, device: str) -> Any:
@@ -101,8 +102,9 @@ def group_inputs(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], unco
 
 def apply_output(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], out: torch.Tensor) -> None:
     """Guidance, learned-sigma split and each trajectory's own scheduler step; latents advance.
-    Guidance runs once over the guided rows; DDIM steps run as one batched step (ddim_batch.py,
-    bit-identical to diffusers' per-row calls), any other scheduler row by row."""
+    Guidance runs once over the guided rows; DDIM and (fp32) flow-matching steps run as one
+    batched step (ddim_batch.py, flow_batch.py: bit-identical to diffusers' per-row calls), any
+    other scheduler row by row."""
     n = len(trajs)
     # DiT guides the eps channels only (diffusers' DiTPipeline); a learned sigma is dropped after
     # guidance, which is elementwise: slicing first gives the same channels
@@ -117,7 +119,17 @@ def apply_output(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], out:
         pred = pred.clone()
         pred[rows] = uncond + scale * (pred[rows] - uncond)
     batched = [i for i, lv in enumerate(live) if lv.batched]
-    if len(batched) > 1:
+    if pipe.family in MMDIT and len(batched) > 1:
+        if pred.dtype == torch.float32:
+            idx = torch.tensor(batched, device=out.device)
+            prev = flow_batch.flow_step([live[i].scheduler for i in batched], pred[idx],
+                                        torch.stack([trajs[i].latents for i in batched]))
+            for j, i in enumerate(batched):
+                trajs[i].latents = prev[j].clone()  # its own storage: a view would pickle the whole batch
+                trajs[i].step += 1
+        else:
+            batched = []
+    elif len(batched) > 1:
         idx = torch.tensor(batched, device=out.device)
         steps = [live[i].scheduler.timesteps[trajs[i].step] for i in batched]
         prev, original = ddim_batch.ddim_step([live[i].scheduler for i in batched], steps, pred[idx],
