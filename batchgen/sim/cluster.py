@@ -23,7 +23,8 @@ from .cost import CostModel
 from .engine import Arrival, EngineSimConfig, SimEngine
 from .parallel import run_parallel
 from .partitions import partitioned_engines, rows_as_sequences
-from .policies import BatchGen, Dynamic, Policy, Static
+from .policies import BatchGen, Dynamic, Policy, Static, deal
+from .shard import EngineResult
 from .workload import Workload
 
 # BalancePlugin's defaults (cluster/plugin.py); tests/test_sim_cluster.py keeps them equal.
@@ -35,8 +36,7 @@ class ClusterSimConfig:
     workers: int
     tick_s: float = 1.0  # how often the policy looks (the plugin's pushes come every 0.2 s; see README)
     cooldown_s: float = PLUGIN_COOLDOWN_S
-    # engines spread over this many processes (parallel.py: the same result, on several cores);
-    # static and batchgen only (dynamic's deal reads every engine between ticks)
+    # engines spread over this many processes (parallel.py: the same results, on several cores)
     processes: int = 1
 
     def __post_init__(self) -> None:
@@ -74,25 +74,51 @@ def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, polic
              cluster: ClusterSimConfig, keep_timelines: bool = False) -> SimResult:
     """Run `workload` to the end under `policy`. Deterministic: no randomness, no wall clock in
     any decision (wall_s only reports how long it took)."""
+    return simulate_all(workload, cost, engine, (policy,), cluster, keep_timelines)[0]
+
+
+def simulate_all(workload: Workload, cost: CostModel, engine: EngineSimConfig, policies: tuple[Policy, ...],
+                 cluster: ClusterSimConfig, keep_timelines: bool = False) -> tuple[SimResult, ...]:
+    """simulate() of each policy; with cluster.processes > 1 all at once, over that many
+    processes (parallel.py: the same results)."""
+    for policy in policies:
+        if not isinstance(policy, (Static, Dynamic, BatchGen)):
+            raise PlanError(f"unknown policy {policy!r}")
+    if len({type(p) for p in policies}) < len(policies):
+        raise PlanError("simulate each policy kind once")
+    if cluster.processes < 2 or cluster.workers < 2:
+        return tuple(_simulate_here(workload, cost, engine, p, cluster, keep_timelines) for p in policies)
+    t0 = time.perf_counter()
+    names = _names(cluster)
+    kinds = tuple(_KINDS[type(p)] for p in policies)
+    batchgen = next((p for p in policies if isinstance(p, BatchGen)), None)
+    dynamic = next((p for p in policies if isinstance(p, Dynamic)), Dynamic())
+    balancer = _Balancer(None, batchgen, cluster, names) if batchgen is not None else None
+    per_kind, moved = run_parallel(workload, cost, engine, names, np.array_split(np.arange(workload.rows),
+                                   cluster.workers), kinds, cluster.processes, cluster.tick_s, balancer,
+                                   dynamic.batch_rows, keep_timelines)
+    return tuple(_result(p, cluster, workload, per_kind[kind], balancer.orders if kind == "batchgen" and balancer
+                         else 0, moved if kind == "batchgen" else 0, t0, keep_timelines)
+                 for p, kind in zip(policies, kinds))
+
+
+_KINDS = {Static: "static", Dynamic: "dynamic", BatchGen: "batchgen"}
+
+
+def _names(cluster: ClusterSimConfig) -> list[str]:
+    return [f"sim-worker-{i:04d}" for i in range(cluster.workers)]
+
+
+def _simulate_here(workload: Workload, cost: CostModel, engine: EngineSimConfig, policy: Policy,
+                   cluster: ClusterSimConfig, keep_timelines: bool) -> SimResult:
     t0 = time.perf_counter()
     orders = moved = 0
-    names = [f"sim-worker-{i:04d}" for i in range(cluster.workers)]
+    names = _names(cluster)
     if isinstance(policy, Dynamic):
         batches: deque[np.ndarray] = deque(np.array_split(np.arange(workload.rows),
                                                           math.ceil(workload.rows / policy.batch_rows)))
         engines = [SimEngine(name, cost, engine) for name in names]
         _run_ticks(engines, cluster, lambda now: _deal(engines, batches, workload, now), lambda: bool(batches))
-    elif not isinstance(policy, (Static, BatchGen)):
-        raise PlanError(f"unknown policy {policy!r}")
-    elif cluster.processes > 1 and cluster.workers > 1:
-        parts = np.array_split(np.arange(workload.rows), cluster.workers)
-        balancer = _Balancer(None, policy, cluster, names) if isinstance(policy, BatchGen) else None
-        per_engine, moved = run_parallel(workload, cost, engine, names, parts, cluster.processes, balancer,
-                                         cluster.tick_s, keep_timelines)
-        orders = balancer.orders if balancer is not None else 0
-        return _result(policy, cluster, workload, [r[1] for r in per_engine], sum(r[2] for r in per_engine),
-                       [r[3] for r in per_engine], [r[4] for r in per_engine] if keep_timelines else [],
-                       orders, moved, t0)
     else:
         engines = partitioned_engines(names, np.array_split(np.arange(workload.rows), cluster.workers), workload,
                                       cost, engine)
@@ -103,19 +129,19 @@ def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, polic
             balancer = _Balancer(engines, policy, cluster)
             _run_ticks(engines, cluster, balancer.tick, lambda: False)
             orders, moved = balancer.orders, balancer.moved
-    return _result(policy, cluster, workload, [e.finished for e in engines], sum(len(e.errors) for e in engines),
-                   [e.busy_s for e in engines], [tuple(e.timeline) for e in engines] if keep_timelines else [],
-                   orders, moved, t0)
+    per_engine = [(len(e.finished), max((t for _, t in e.finished), default=0.0), len(e.errors), e.busy_s,
+                   tuple(e.timeline) if keep_timelines else ()) for e in engines]
+    return _result(policy, cluster, workload, per_engine, orders, moved, t0, keep_timelines)
 
 
-def _result(policy: Policy, cluster: ClusterSimConfig, workload: Workload, finished: list[list[tuple[int, float]]],
-            failed: int, busy_s: list[float], timelines: list[tuple], orders: int, moved: int, t0: float) -> SimResult:
-    done = [t for rows in finished for _, t in rows]
-    if len(done) + failed != workload.rows:
-        raise AssertionError(f"{policy.name}: {len(done)} rows finished and {failed} failed of {workload.rows}")
-    bct = max(done, default=0.0)
-    return SimResult(policy.name, cluster.workers, bct, tuple(min(b, bct) for b in busy_s), len(done), failed,
-                     orders, moved, time.perf_counter() - t0, tuple(timelines))
+def _result(policy: Policy, cluster: ClusterSimConfig, workload: Workload, per_engine: list[EngineResult],
+            orders: int, moved: int, t0: float, keep_timelines: bool) -> SimResult:
+    done, failed = sum(r[0] for r in per_engine), sum(r[2] for r in per_engine)
+    if done + failed != workload.rows:
+        raise AssertionError(f"{policy.name}: {done} rows finished and {failed} failed of {workload.rows}")
+    bct = max((r[1] for r in per_engine if r[0]), default=0.0)
+    return SimResult(policy.name, cluster.workers, bct, tuple(min(r[3], bct) for r in per_engine), done, failed,
+                     orders, moved, time.perf_counter() - t0, tuple(r[4] for r in per_engine) if keep_timelines else ())
 
 
 def _run_ticks(engines: list[SimEngine], cluster: ClusterSimConfig, act: Callable[[float], None],
@@ -131,17 +157,11 @@ def _run_ticks(engines: list[SimEngine], cluster: ClusterSimConfig, act: Callabl
 
 
 def _deal(engines: list[SimEngine], batches: deque[np.ndarray], workload: Workload, now: float) -> None:
-    """Workers that could start more rows pull a batch each, in turn, until their seats are
-    spoken for (workers pull at once, not one after another: round-robin, not first come)."""
-    hungry = [e for e in engines if not e.scheduler.waiting]
-    while batches and hungry:
-        for e in list(hungry):
-            if not batches:
-                return
-            for seq in rows_as_sequences(workload, batches.popleft()):
+    given = deal([e.occupancy() for e in engines], batches, engines[0].config.max_num_seqs)
+    for e, mine in zip(engines, given):
+        for batch in mine:
+            for seq in rows_as_sequences(workload, batch):
                 e.add(seq, now)
-            if len(e.scheduler.running) + len(e.scheduler.waiting) >= e.config.max_num_seqs:
-                hungry.remove(e)
 
 
 class _Balancer:

@@ -6,21 +6,28 @@ configured policy) on real `Sequence` objects whose token lists are `range`s: th
 policy reads only lengths. Between decisions the engine advances in slices:
 
 - a forward that prefills, swaps in, or leaves a running sequence out is one step, as planned;
-- a pure decode forward is extended to k steps at once, in closed form (numpy over the batch).
-  Within those k steps nothing the policy reads changes its answer: no eviction (k is cut where
-  the KV pool would run out), no admission (the pool only fills, the seat count is fixed), no
-  arrival (slices end at the cluster's ticks). So k calls of `schedule()` would return the same
-  plans; tests/test_sim_engine.py checks this against the real calls.
+- a pure decode forward is extended to k steps at once, in closed form (slices.py: numpy over
+  the batch). Within those k steps nothing the policy reads changes its answer: no eviction (k
+  is cut where the KV pool would run out), no admission (the pool only fills, the seat count is
+  fixed), no arrival (a slice ends at the first forward past a pending arrival, and an order
+  from the cluster cuts it). So k calls of `schedule()` would return the same plans;
+  tests/sim/test_sim_engine.py checks this against the real calls.
   `exact` also cuts k at the first row that finishes. Otherwise (the default for fleet runs)
-  rows that finish inside a slice give their seat and blocks back at its end: a slice is at most
-  `quantum_steps` long and ends once `finish_fraction` of its batch has finished; and its
-  decision is `schedule(lookahead=k)`, which gives every row the KV of the whole slice up front
-  (at most `reserve_fraction` of the pool) and evicts now what those steps would evict, so a
-  KV-bound engine decides once a slice instead of each time its pool runs out. The tests bound
-  the effect on completion time against the exact mode.
+  rows that finish inside a slice give their seat and blocks back at its end: a slice ends once
+  `finish_fraction` of its batch has finished, and while rows wait for a seat it is at most
+  `quantum_steps` long (with none waiting, no decision depends on its length). Its decision is
+  `schedule(lookahead=k)`, which gives every row the KV of the whole slice up front (at most
+  `reserve_fraction` of the pool) and evicts now what those steps would evict, so a KV-bound
+  engine decides once a slice instead of each time its pool runs out. The tests bound the
+  effect on completion time against the exact mode.
+
+A slice is not cut at the cluster's ticks: the engine reports its load at a tick from the
+slice's arrays (what closing it there would leave), and closes it there only when the cluster
+acts on it (new rows, a suspend, an arriving coroutine).
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
@@ -28,34 +35,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
-from ..policy.balance import MAX_REPORTED, CoroutineInfo, EngineLoad, reported_movable
+from ..policy.balance import MAX_REPORTED, EngineLoad
 from ..policy.speed import SpeedMeter
 from ..runtime.policy import Eviction, Plan, Scheduler, SchedulerConfig, prefer_transfer
-from ..runtime.sequence import SeqId, SeqStatus, Sequence
+from ..runtime.sequence import SeqStatus, Sequence
 from .blocks import BlockCounter
 from .cost import CostModel, recompute_tokens_per_s
+from .reports import ReportedMovable, running_rows
+from .seqs import SimRequest, token_list
+from .slices import DecodeSlice
 from .waiting import WaitingQueue
-
-
-def token_list(n: int) -> range:
-    """Stands in for a token list: the policy only ever takes its length (a range's is C-fast)."""
-    return range(n)
-
-
-class SimRequest:
-    """A simulated row's `params`. The policy reads max_tokens (its upper bound, as in the
-    runtime); output_len is when the row really stops (EOS), known only to the simulator.
-    A plain class with slots: a million are made per run, each in a third of a frozen
-    dataclass's time (no object.__setattr__ per field), read as fast."""
-
-    __slots__ = ("max_tokens", "output_len", "stop_at")
-
-    def __init__(self, max_tokens: int, output_len: int, stop_at: int) -> None:
-        self.max_tokens, self.output_len = max_tokens, output_len
-        self.stop_at = stop_at  # min(max_tokens, output_len): a field, read once per row per slice
-
-    def __repr__(self) -> str:
-        return f"SimRequest(max_tokens={self.max_tokens}, output_len={self.output_len})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +54,9 @@ class EngineSimConfig:
     block_size: int = 16
     eviction: Eviction = "newest"
     swap_space_bytes: int = 4 << 30  # host KV for evicted / arriving coroutines (EngineConfig's default)
-    # Most decode steps one slice advances, and the share of its batch whose finishing ends a
-    # slice (their seats idle till then). On 781 reasoning rows on one H200 these left BCT 0.6%
-    # above the exact mode's and simulated 4x faster.
+    # Most decode steps one slice advances while rows wait for a seat, and the share of its batch
+    # whose finishing ends a slice (their seats idle till then). On 781 reasoning rows on one
+    # H200 these left BCT 0.6% above the exact mode's and simulated 4x faster.
     quantum_steps: int = 256
     finish_fraction: float = 1 / 8
     # KV a coarse slice may reserve ahead (of the pool): evictions come up to a slice early
@@ -89,11 +78,6 @@ class EngineSimConfig:
             return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.eviction)
         except ValueError as exc:
             raise PlanError(str(exc)) from exc
-
-
-def make_sequence(row: int, prompt_len: int, max_tokens: int, output_len: int) -> Sequence:
-    return Sequence(SeqId(row), row, token_list(prompt_len), SimRequest(max_tokens, output_len, min(max_tokens, output_len)), 0,  # type: ignore[arg-type]
-                    output_ids=token_list(0))  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -132,23 +116,27 @@ class SimEngine:
         self.arrivals: list[tuple[float, int, Arrival]] = []
         self.recompute_rate = recompute_tokens_per_s(cost, config.max_num_batched_tokens)
         self.version = 0  # bumped by every change of state: a load report is reused until then
-        self._load: tuple[int, EngineLoad] | None = None
+        self._load: tuple[tuple[int, float], EngineLoad] | None = None
+        self.slice: DecodeSlice | None = None  # a decode slice running past the last tick
+        self.tick = 0.0  # the time the engine was last run to: where a report or a cut refers to
 
     # -- work in ----------------------------------------------------------------------------------
     def add(self, seq: Sequence, at: float = 0.0) -> None:
         """A new row, handed over at time `at` (an idle engine's clock waits until then)."""
+        self.cut()
         if not self.scheduler.has_work:
             self.now = max(self.now, at)
         self.scheduler.add(seq)
         self.version += 1
 
     def arrive(self, arrival: Arrival) -> None:
+        self.cut()
         heapq.heappush(self.arrivals, (arrival.at, int(arrival.seq.seq_id), arrival))
         self.version += 1
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self.arrivals)
+        return self.slice is not None or self.scheduler.has_work or bool(self.arrivals)
 
     def _take_arrivals(self) -> None:
         """Engine.resume's choices: straight into the batch with its KV when there is room, else
@@ -178,6 +166,7 @@ class SimEngine:
     # -- work out ---------------------------------------------------------------------------------
     def suspend(self, seq_ids: tuple[int, ...]) -> list[tuple[Sequence, int]]:
         """Take coroutines out at the yield point between forwards: [(seq, KV tokens it carries)]."""
+        self.cut()
         wanted = set(seq_ids)
         self.version += 1
         picked = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting) if int(s.seq_id) in wanted]
@@ -197,32 +186,50 @@ class SimEngine:
         return self.config.migration_latency_s + kv_tokens * self.cost.kv_bytes_per_token / self.cost.network_bytes_per_s
 
     def load(self) -> EngineLoad:
-        """What the runner reports to the plugin (runner.py `_snapshot`), on simulated state.
-        The same report as long as nothing changed since the last one (an idle engine)."""
-        if self._load is not None and self._load[0] == self.version:
+        """What the runner reports to the plugin (runner.py `_snapshot`), on simulated state: at
+        the last tick, as closing a running slice there would leave it (`cut`). The same report
+        as long as nothing changed since the last one (an idle engine)."""
+        key = (self.version, self.tick if self.slice is not None else -1.0)
+        if self._load is not None and self._load[0] == key:
             return self._load[1]
-        s = self.scheduler
         # the runner lists waiting rows, then running ones, and keeps the first MAX_REPORTED of
         # a stable sort, not-started first; waiting rows are not started, so only their top
         # MAX_REPORTED can make it, and when there are that many no running row does
         top = self.waiting.most_remaining(MAX_REPORTED)
-        if len(top) >= MAX_REPORTED:
-            movable = tuple(top)
+        free = self.allocator.num_free
+        if self.slice is not None:
+            running, remaining, taken, rows = self.slice.report(self.slice.position(self.tick))
+            free -= taken
         else:
-            movable = reported_movable(top + [CoroutineInfo(int(q.seq_id), q.remaining_tokens, q.num_computed)
-                                              for q in s.running])
-        # remaining_tokens of a running row: it finishes (and leaves) once it reaches max_tokens
-        remaining = self.waiting.remaining_tokens + sum([q.params.max_tokens - len(q.output_ids) for q in s.running])
-        load = EngineLoad(self.name, "model", True, len(s.waiting), len(s.running), remaining,
-                          1 - self.allocator.num_free / self.allocator.num_blocks, self.meter.tokens_per_s,
-                          movable, self.meter.speed, self.allocator.capacity_tokens, self.config.max_num_seqs,
-                          self.device)
-        self._load = (self.version, load)
+            live = self.scheduler.running
+            running = len(live)
+            # remaining_tokens of a running row: it finishes (and leaves) once it reaches max_tokens
+            remaining = sum([q.params.max_tokens - len(q.output_ids) for q in live])
+            rows = functools.partial(running_rows, tuple(live))
+        movable = tuple(top) if len(top) >= MAX_REPORTED else ReportedMovable(top, rows, running)
+        load = EngineLoad(self.name, "model", True, len(self.waiting), running,
+                          self.waiting.remaining_tokens + remaining, 1 - free / self.allocator.num_blocks,
+                          self.meter.tokens_per_s, movable, self.meter.speed,  # type: ignore[arg-type]
+                          self.allocator.capacity_tokens, self.config.max_num_seqs, self.device)
+        self._load = (key, load)
         return load
+
+    def occupancy(self) -> tuple[int, int]:
+        """(waiting, running) rows at the last tick, as `load` reports them."""
+        piece = self.slice
+        running = len(self.scheduler.running) if piece is None else \
+            len(piece.seqs) - piece.finished_by(piece.position(self.tick))
+        return len(self.waiting), running
 
     # -- time -------------------------------------------------------------------------------------
     def run_until(self, t_end: float) -> None:
-        """Advance to t_end (or a little past: a forward is not cut), or until out of work."""
+        """Advance to t_end (or a little past: a forward is not cut), or until out of work. A
+        decode slice that runs past t_end stays open (`slice`) until its end or a `cut`."""
+        self.tick = t_end
+        if self.slice is not None:
+            if self.slice.end > t_end:
+                return
+            self._close(self.slice.k)
         while self.now < t_end:
             self.version += 1
             self._take_arrivals()
@@ -239,13 +246,26 @@ class SimEngine:
                 self._unblock()
                 self.now += extra
             elif self._decode_only(plan):
-                self._decode(plan, t_end, extra)
+                piece = self.slice = self._decode(plan, extra)
+                if piece.end > t_end:
+                    return
+                self._close(piece.k)
+                continue
             else:
                 self._step(plan, extra)
-            self.busy_s += self.now - start
-            if self.now > start:
-                self.timeline.append((start, self.now, self.generated - generated))
-            self.meter.observe(self.now, self.generated, len(self.scheduler.waiting))
+            self._account(start, generated)
+
+    def cut(self) -> None:
+        """Close a running slice after the forward in flight at the last tick: the cluster is
+        about to act on this engine's state."""
+        if self.slice is not None:
+            self._close(self.slice.position(self.tick))
+
+    def _account(self, start: float, generated: int) -> None:
+        self.busy_s += self.now - start
+        if self.now > start:
+            self.timeline.append((start, self.now, self.generated - generated))
+        self.meter.observe(self.now, self.generated, len(self.scheduler.waiting))
 
     def _lookahead(self) -> int:
         """Coarse slices reserve KV for the coming slice up front (Scheduler.schedule's
@@ -312,7 +332,7 @@ class SimEngine:
                 if out + 1 >= seq.params.stop_at:
                     self._finish_if_done(seq)
 
-    def _decode(self, plan: Plan, t_end: float, extra_s: float) -> None:
+    def _decode(self, plan: Plan, extra_s: float) -> DecodeSlice:
         """k >= 1 decode steps of the planned batch in closed form (see the module docstring)."""
         seqs = [item.seq for item in plan.scheduled]
         n = len(seqs)
@@ -325,8 +345,11 @@ class SimEngine:
         left = state[:, 2] - out0
         order = np.argsort(left, kind="stable")
         left_sorted, c_sorted = left[order], c0[order]
-        nth = 0 if self.config.exact else max(0, math.ceil(self.config.finish_fraction * n) - 1)
-        horizon = max(1, min(self.config.quantum_steps, int(left_sorted[nth])))
+        config = self.config
+        nth = 0 if config.exact else max(0, math.ceil(config.finish_fraction * n) - 1)
+        horizon = max(1, int(left_sorted[nth]))
+        if config.exact or self.scheduler.waiting or self.arrivals:
+            horizon = min(config.quantum_steps, horizon)
         j = np.arange(horizon)
         done_by = np.searchsorted(left_sorted, j, side="right")  # rows finished before step j
         active = n - done_by
@@ -335,38 +358,44 @@ class SimEngine:
         dt = self.cost.step_seconds(active, active, kv, kv)
         dt[0] += extra_s
         cum = np.cumsum(dt)
-        k = max(1, int(np.searchsorted(cum, t_end - self.now, side="right")))
-        k, need = self._kv_limit(c0, left, have, min(k, horizon))
-        self.now += float(cum[k - 1])
+        if self.arrivals:  # end at the first forward past the next arrival: it joins then
+            horizon = min(horizon, int(np.searchsorted(cum, self.arrivals[0][0] - self.now, side="left")) + 1)
+        piece = DecodeSlice(seqs, self.now, self.generated, c0, out0, left, have, left_sorted, cum, horizon,
+                            self.allocator.block_size)
+        piece.k = self._kv_limit(piece)
+        return piece
+
+    def _close(self, k: int) -> None:
+        """Write the open slice's first k steps into its sequences; rows that stopped leave."""
+        piece, self.slice = self.slice, None
+        assert piece is not None
+        self.version += 1
+        self.now = piece.at(k)
+        left = piece.left
         steps = np.minimum(left, k)
         self.generated += int(steps.sum())
-        computed, outputs = (c0 + steps).tolist(), (out0 + steps).tolist()
-        for i in range(n):  # hot loop: plain ints
+        seqs = piece.seqs
+        computed, outputs = (piece.c0 + steps).tolist(), (piece.out0 + steps).tolist()
+        for i in range(len(seqs)):  # hot loop: plain ints
             seq = seqs[i]
             seq.num_computed = computed[i]
             seq.output_ids = range(outputs[i])  # type: ignore[assignment]
-        if need is not None:
-            for i in np.flatnonzero(need).tolist():
-                seqs[i].block_ids += self.allocator.allocate(int(need[i]))
+        need = piece.blocks_needed(k)
+        allocate = self.allocator.allocate
+        for i in np.flatnonzero(need).tolist():
+            seqs[i].block_ids += allocate(int(need[i]))
         for i in np.flatnonzero(steps == left).tolist():
             self._finish_if_done(seqs[i])
+        self._account(piece.start, piece.generated)
 
-    def _kv_limit(self, c0: np.ndarray, left: np.ndarray, have: np.ndarray, k: int) -> tuple[int, np.ndarray | None]:
-        """Largest k' <= k whose blocks fit the free pool (step 1's, and with lookahead the whole
-        slice's, are already allocated), and the blocks each sequence then needs (None: none)."""
-        free, bs = self.allocator.num_free, self.allocator.block_size
-
-        def need(steps: int) -> np.ndarray:
-            return np.maximum(-(-(c0 + np.minimum(left, steps)) // bs) - have, 0)
-
-        first = need(k)
-        total = int(first.sum())
-        if total == 0:
-            return k, None
-        if total <= free:
-            return k, first
+    def _kv_limit(self, piece: DecodeSlice) -> int:
+        """Largest k' <= piece.k whose blocks fit the free pool (step 1's, and with lookahead
+        the whole slice's, are already allocated)."""
+        free, k = self.allocator.num_free, piece.k
+        if int(piece.blocks_needed(k).sum()) <= free:
+            return k
         lo, hi = 1, k  # need(1) is all 0: step 1's blocks came with the plan
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if int(need(mid).sum()) <= free else (lo, mid - 1)
-        return lo, need(lo)
+            lo, hi = (mid, hi) if int(piece.blocks_needed(mid).sum()) <= free else (lo, mid - 1)
+        return lo

@@ -1,25 +1,27 @@
-"""The simulated fleet spread over processes: the same simulation on several cores.
+"""Simulated fleets spread over processes: every policy at once, the same result, several cores.
 
 Between two ticks the engines of a simulated fleet do not interact: each runs the runtime's
-scheduler on its own clock. Only the balancer, once a tick, reads every engine's load and moves
-coroutines. So the engines can live in child processes (each holding a contiguous share of the
-workers) while the parent runs the balancer: per tick, one round trip to each child runs its
-engines to the tick and brings back their loads; the tick's orders then go out as one batch of
-suspends (to the sources' children) and one of arrivals (to the destinations'). Within a tick
-an engine is the source or destination of one pusher's orders at most (both go into cooldown),
-so batching them changes no decision: every engine sees the calls the serial run makes, in the
-same order, and the result is identical (tests/test_sim_parallel.py compares them). Only the
-wall time changes. Static runs its shares to the end, with no ticks.
+scheduler on its own clock. Only the policies act at a tick: batchgen's balancer reads every
+engine's load and moves coroutines, dynamic's deal hands batches to drained workers. So the
+engines live in child processes (shard.py: each holds a contiguous share of the workers, under
+every policy simulated) while the parent runs the policies. Per tick, one round trip to each
+child delivers the last tick's decisions (rows dealt, arriving coroutines), runs its engines
+to the tick and brings back their loads; a tick with balancing orders adds one round trip of
+suspends. A load report's movable coroutines stay in the child until the balancer reads them
+(its sources', a few a tick). Within a tick an engine is the source or destination of one
+pusher's orders at most (both go into cooldown), so batching them changes no decision: every
+engine sees the calls the serial run makes, in the same order, and the result is identical
+(tests/sim/test_sim_parallel.py compares them). Static's engines run while a child waits for
+the parent. Only the wall time changes.
 """
 from __future__ import annotations
 
 import collections.abc
-import dataclasses
 import math
 import multiprocessing as mp
 import traceback
-from collections.abc import Iterator
-from collections.abc import Sequence as Seq
+from collections import deque
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -29,66 +31,55 @@ from ..errors import PlanError
 from ..policy.balance import CoroutineInfo, EngineLoad, Migration
 from .cost import CostModel
 from .engine import Arrival, EngineSimConfig
-from .partitions import partitioned_engines
+from .policies import deal
+from .reports import ReportedMovable
+from .shard import LOAD_FIELDS, EngineResult, Shard
 from .workload import Workload
 
 
-def _serve(conn: Connection, names: list[str], parts: list[np.ndarray], workload: Workload, cost: CostModel,
-           config: EngineSimConfig) -> None:
-    """A child's loop: its engines, built and filled as simulate() builds them; commands in,
-    answers out."""
+class _Failed(str):
+    """A child's traceback, sent instead of its answer."""
+
+
+def _serve(conn: Connection, make: Callable[[], Shard]) -> None:
+    """A child's loop: its shard, built as the serial run builds its engines; commands in,
+    answers out; static's engines advance whenever no command waits."""
     try:
-        engines = {e.name: e for e in partitioned_engines(names, parts, workload, cost, config)}
+        shard = make()
+        background = True
         while True:
+            while background and not conn.poll():
+                background = shard.background()
             cmd, arg = conn.recv()
-            if cmd == "run":  # arg: the tick to run to (None: the loads as they are)
-                if arg is not None:
-                    for e in engines.values():
-                        e.run_until(arg)
-                conn.send(({n: _packed(e.load()) for n, e in engines.items()},
-                           any(e.has_work for e in engines.values())))
-            elif cmd == "suspend":  # arg: (now, [(source, seq_ids)]) -> per order [(at, seq, kv_tokens)]
-                now, orders = arg
-                out = []
-                for name, seq_ids in orders:
-                    src = engines[name]
-                    out.append([(max(now, src.now) + src.transfer_seconds(kv), seq, kv)
-                                for seq, kv in src.suspend(seq_ids)])
-                conn.send(out)
-            elif cmd == "arrive":  # arg: [(destination, at, seq, kv_tokens)]
-                for name, at, seq, kv in arg:
-                    engines[name].arrive(Arrival(at, seq, kv))
-                conn.send(None)
-            elif cmd == "finish":  # run to the end (Static: the shares never interact)
-                for e in engines.values():
-                    e.run_until(math.inf)
-                conn.send(None)
-            elif cmd == "result":  # arg: keep timelines
-                conn.send([(e.name, e.finished, len(e.errors), e.busy_s, tuple(e.timeline) if arg else ())
-                           for e in engines.values()])
-            elif cmd == "stop":
+            if cmd == "stop":
                 return
+            if cmd == "finish":
+                shard.finish()
+                answer = None
+            else:
+                answer = getattr(shard, cmd)(*arg)
+            conn.send(answer)
     except BaseException:  # noqa: BLE001 - the parent raises it with the child's traceback
-        conn.send(("error", traceback.format_exc()))
+        conn.send(_Failed(traceback.format_exc()))
 
 
 class _Children:
     """The child processes and which engine lives where."""
 
     def __init__(self, names: list[str], parts: list[np.ndarray], workload: Workload, cost: CostModel,
-                 config: EngineSimConfig, processes: int) -> None:
+                 config: EngineSimConfig, kinds: tuple[str, ...], processes: int, background_s: float) -> None:
         # fork where there is one: spawn would re-run a calling script that lacks a main guard,
         # and the children touch nothing a parent's thread could hold (no Dask, no torch, no BLAS)
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        shares = np.array_split(np.arange(len(names)), processes)
+        self.shares = [share.tolist() for share in np.array_split(np.arange(len(names)), processes)]
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         self.home: dict[str, int] = {}
-        for i, share in enumerate(shares):
-            mine = [names[j] for j in share.tolist()]
+        for i, share in enumerate(self.shares):
+            mine = [names[j] for j in share]
+            make = _ShardMaker(mine, [parts[j] for j in share], workload, cost, config, kinds, background_s)
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, mine, [parts[j] for j in share.tolist()], workload, cost,
-                                                    config), daemon=True)
+            proc = ctx.Process(target=_serve, args=(child, make), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -107,12 +98,12 @@ class _Children:
                 self.procs[i].join(1)
                 raise RuntimeError(f"simulation process {i} exited (exit code {self.procs[i].exitcode}); "
                                    "run with processes=1 to see the error") from None
-            if isinstance(answer, tuple) and len(answer) == 2 and answer[0] == "error":
-                raise RuntimeError(f"simulation process {i} failed:\n{answer[1]}")
+            if isinstance(answer, _Failed):
+                raise RuntimeError(f"simulation process {i} failed:\n{answer}")
             answers[i] = answer
         return answers
 
-    def all(self, cmd: str, arg: Any = None) -> list[Any]:
+    def all(self, cmd: str, *arg: Any) -> list[Any]:
         return list(self.ask({i: (cmd, arg) for i in range(len(self.conns))}).values())
 
     def close(self) -> None:
@@ -127,50 +118,27 @@ class _Children:
                 proc.kill()
 
 
-def run_parallel(workload: Workload, cost: CostModel, engine: EngineSimConfig, names: list[str],
-                 parts: list[np.ndarray], processes: int, balancer: Any | None, tick_s: float,
-                 keep_timelines: bool) -> tuple[list[tuple[str, list[tuple[int, float]], int, float, tuple]], int]:
-    """Run the fleet in `processes` children; balancer: cluster._Balancer (None: Static).
-    -> (per engine in `names` order: (name, finished, errors, busy_s, timeline), coroutines moved)."""
-    if processes < 2:
-        raise PlanError(f"run_parallel needs at least 2 processes, got {processes}")
-    kids = _Children(names, parts, workload, cost, engine, min(processes, len(names)))
-    moved = 0
-    try:
-        if balancer is None:
-            kids.all("finish")
-        else:
-            now = 0.0
-            loads, work = _gather(kids.all("run", None))
-            while True:
-                orders: list[Migration] = []
-                balancer.tick(now, loads, lambda order, _now: orders.append(order))  # noqa: B023 - called inside tick()
-                if orders:
-                    moved += _carry_out(kids, orders, now)
-                if not work:  # moves keep the fleet's work (in flight counts at the destination)
-                    break
-                now += tick_s
-                loads, work = _gather(kids.all("run", now))
-        per_engine = {r[0]: r for answer in kids.all("result", keep_timelines) for r in answer}
-    finally:
-        kids.close()
-    return [per_engine[name] for name in names], moved
+class _ShardMaker:
+    """Builds a child's shard in the child (picklable for spawn; fork passes it as it is)."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __call__(self) -> Shard:
+        return Shard(*self.args)
 
 
-class ReportedCoroutines(collections.abc.Sequence):
-    """A load report's movable coroutines as they cross a pipe: an int array [k, 3] of (seq_id,
-    remaining, num_computed), made CoroutineInfo only if the balancer reads them (it reads only
-    its sources', a few engines a tick). Pickling 256 CoroutineInfo objects per engine per tick
-    had cost the parent more CPU than the children's simulation saved."""
+class _RemoteMovable(collections.abc.Sequence):
+    """A load report's movable coroutines, fetched from the engine's child on first read."""
 
-    __slots__ = ("_rows", "_items")
+    __slots__ = ("_fetch", "_count", "_items")
 
-    def __init__(self, rows: np.ndarray) -> None:
-        self._rows = rows
+    def __init__(self, fetch: Callable[[], tuple[np.ndarray, np.ndarray]], count: int) -> None:
+        self._fetch, self._count = fetch, count
         self._items: tuple[CoroutineInfo, ...] | None = None
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return self._count
 
     def __getitem__(self, index: Any) -> Any:
         return self._infos()[index]
@@ -180,39 +148,91 @@ class ReportedCoroutines(collections.abc.Sequence):
 
     def _infos(self) -> tuple[CoroutineInfo, ...]:
         if self._items is None:
-            self._items = tuple(CoroutineInfo(*row) for row in self._rows.tolist())
+            self._items = tuple(ReportedMovable(*self._fetch()))
         return self._items
 
 
-def _packed(load: EngineLoad) -> tuple[EngineLoad, np.ndarray]:
-    rows = np.array([(c.seq_id, c.remaining, c.num_computed) for c in load.movable], dtype=np.int64).reshape(-1, 3)
-    return dataclasses.replace(load, movable=()), rows
+def run_parallel(workload: Workload, cost: CostModel, config: EngineSimConfig, names: list[str],
+                 parts: list[np.ndarray], kinds: tuple[str, ...], processes: int, tick_s: float,
+                 balancer: Any | None, dynamic_batch_rows: int, keep_timelines: bool
+                 ) -> tuple[dict[str, list[EngineResult]], int]:
+    """Run the fleets of `kinds` at once in `processes` children; balancer: cluster._Balancer
+    (batchgen's). -> (per kind, per engine in `names` order: EngineResult; coroutines moved)."""
+    if processes < 2:
+        raise PlanError(f"run_parallel needs at least 2 processes, got {processes}")
+    kids = _Children(names, parts, workload, cost, config, kinds, min(processes, len(names)), 2 * tick_s)
+    moved = 0
+    batches: deque[np.ndarray] = deque(np.array_split(np.arange(workload.rows),
+                                                      math.ceil(workload.rows / dynamic_batch_rows)))
+    live = {kind for kind in kinds if kind != "static"}
+    try:
+        templates = [load for answer in kids.all("template") for load in answer] if "batchgen" in live else []
+        adds: dict[int, list] = {}
+        arrivals: dict[int, list] = {}
+        now, t = 0.0, None
+        while live:
+            answers = kids.ask({i: ("run", (t, adds.get(i, []), arrivals.get(i, []), tuple(live)))
+                                for i in range(len(kids.conns))})
+            adds, arrivals = {}, {}
+            work = {kind: any(a["work"][kind] for a in answers.values()) for kind in live}
+            if "dynamic" in live:
+                occupancy = np.concatenate([answers[i]["occupancy"] for i in range(len(kids.conns))]).tolist()
+                given = deal([tuple(o) for o in occupancy], batches, config.max_num_seqs)
+                for name, mine in zip(names, given):
+                    adds.setdefault(kids.home[name], []).extend((name, rows) for rows in mine)
+                if not batches and not work["dynamic"] and not any(given):
+                    live.discard("dynamic")
+            if "batchgen" in live:
+                loads = _loads(kids, templates, answers)
+                orders: list[Migration] = []
+                balancer.tick(now, loads, lambda order, _now: orders.append(order))  # noqa: B023 - called inside tick()
+                if orders:
+                    moved += _suspend(kids, orders, now, arrivals)
+                if not work["batchgen"]:  # moves keep the fleet's work (in flight counts at the destination)
+                    live.discard("batchgen")
+            now += tick_s
+            t = now
+        kids.all("finish")
+        per_kind: dict[str, list[EngineResult]] = {kind: [] for kind in kinds}
+        for answer in kids.all("results", keep_timelines):
+            for kind, rows in answer.items():
+                per_kind[kind].extend(rows)
+    finally:
+        kids.close()
+    return per_kind, moved
 
 
-def _gather(answers: Seq[tuple[dict[str, tuple[EngineLoad, np.ndarray]], bool]]) -> tuple[dict[str, EngineLoad], bool]:
-    loads: dict[str, EngineLoad] = {}
-    for part, _ in answers:
-        for name, (load, rows) in part.items():
-            loads[name] = dataclasses.replace(load, movable=ReportedCoroutines(rows))  # type: ignore[arg-type]
-    return loads, any(work for _, work in answers)
+def _loads(kids: _Children, templates: list[EngineLoad], answers: dict[int, Any]) -> dict[str, EngineLoad]:
+    """EngineLoads from the children's numbers; each one's movable list fetched on first read."""
+    numbers = np.concatenate([answers[i]["loads"] for i in range(len(kids.conns))]).tolist()
+    out = {}
+    for load, row in zip(templates, numbers):
+        waiting, running, remaining, kv_used, tokens_per_s, speed, count = row
+        fetch = _fetcher(kids, load.worker)
+        out[load.worker] = EngineLoad(load.worker, load.model, load.ready, int(waiting), int(running), int(remaining),
+                                      kv_used, tokens_per_s, _RemoteMovable(fetch, int(count)),  # type: ignore[arg-type]
+                                      speed, load.kv_capacity_tokens, load.max_num_seqs, load.device)
+    assert len(LOAD_FIELDS) == 6
+    return out
 
 
-def _carry_out(kids: _Children, orders: list[Migration], now: float) -> int:
-    """The tick's orders: suspends at the sources' children, then arrivals at the destinations'."""
+def _fetcher(kids: _Children, name: str) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    return lambda: kids.ask({kids.home[name]: ("movable", (name,))})[kids.home[name]]
+
+
+def _suspend(kids: _Children, orders: list[Migration], now: float, arrivals: dict[int, list]) -> int:
+    """The tick's orders: suspends at the sources' children now; the arrivals go to the
+    destinations' children with the next tick's run (before it, as the serial run has them)."""
     by_child: dict[int, list[int]] = {}
     for k, order in enumerate(orders):
         by_child.setdefault(kids.home[order.src], []).append(k)
     answers = kids.ask({i: ("suspend", (now, [(orders[k].src, orders[k].seq_ids) for k in ks]))
                         for i, ks in by_child.items()})
-    arrivals: dict[int, list[tuple[str, float, Any, int]]] = {}
     moved = 0
     for i, ks in by_child.items():
         for k, suspended in zip(ks, answers[i]):
             dst = orders[k].dst
             for at, seq, kv in suspended:
-                arrivals.setdefault(kids.home[dst], []).append((dst, at, seq, kv))
+                arrivals.setdefault(kids.home[dst], []).append((dst, Arrival(at, seq, kv)))
                 moved += 1
-    if arrivals:
-        kids.ask({i: ("arrive", items) for i, items in arrivals.items()})
     return moved
-

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .cluster import ClusterSimConfig, SimResult, simulate
+from .cluster import ClusterSimConfig, SimResult, simulate_all
 from .cost import CostModel
 from .engine import EngineSimConfig
 from .policies import DEFAULT_POLICIES, Policy
@@ -108,7 +108,7 @@ def run_plan(workload: Workload, cost: CostModel, engine: EngineSimConfig, clust
     ideal = ideal_bound(workload, cost, engine, cluster.workers)
     if tick_s is None:
         cluster = replace(cluster, tick_s=default_tick(ideal))
-    results = tuple(simulate(workload, cost, engine, p, cluster, keep_timelines) for p in policies)
+    results = simulate_all(workload, cost, engine, policies, cluster, keep_timelines)
     return PlanReport(cluster.workers, results, ideal)
 
 

@@ -10,7 +10,10 @@
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..errors import PlanError
 from ..policy.balance import BalanceConfig
@@ -39,3 +42,22 @@ class BatchGen:
 
 Policy = Static | Dynamic | BatchGen
 DEFAULT_POLICIES: tuple[Policy, ...] = (Static(), Dynamic(), BatchGen())
+
+
+def deal(occupancy: list[tuple[int, int]], batches: deque[np.ndarray], max_num_seqs: int) -> list[list[np.ndarray]]:
+    """Dynamic's pull, from each engine's (waiting, running) rows: workers whose queue has
+    drained pull a batch each, in turn, until their seats are spoken for (workers pull at once,
+    not one after another: round-robin, not first come). -> the batches each engine gets."""
+    given: list[list[np.ndarray]] = [[] for _ in occupancy]
+    held = [waiting + running for waiting, running in occupancy]
+    hungry = [i for i, (waiting, _) in enumerate(occupancy) if not waiting]
+    while batches and hungry:
+        for i in list(hungry):
+            if not batches:
+                return given
+            batch = batches.popleft()
+            given[i].append(batch)
+            held[i] += len(batch)
+            if held[i] >= max_num_seqs:
+                hungry.remove(i)
+    return given

@@ -23,10 +23,12 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
         self.counts: Counter[int] = Counter()
         self.info: dict[Sequence, int] = {}  # remaining tokens, as it joined
         self.reported = _Reported(self.info)  # a row's CoroutineInfo, made when a report first lists it
+        self._top: tuple[int, list[CoroutineInfo]] | None = None  # the last report, until the queue changes
         for item in items:
             self.append(item)
 
     def _add(self, seq: Sequence) -> None:
+        self._top = None
         remaining = self.info[seq] = seq.remaining_tokens
         self.counts[remaining] += 1
 
@@ -48,6 +50,7 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
         self._drop(seq)
 
     def _drop(self, seq: Sequence) -> None:
+        self._top = None
         key = self.info.pop(seq)
         self.reported.pop(seq, None)
         self.counts[key] -= 1
@@ -59,7 +62,15 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
         return sum(k * n for k, n in self.counts.items())
 
     def most_remaining(self, limit: int) -> list[CoroutineInfo]:
-        """The report of sorted(self, key=remaining, reverse=True)[:limit], ties in queue order."""
+        """The report of sorted(self, key=remaining, reverse=True)[:limit], ties in queue order
+        (the caller must not change the list)."""
+        if self._top is not None and self._top[0] == limit:
+            return self._top[1]
+        top = self._most_remaining(limit)
+        self._top = (limit, top)
+        return top
+
+    def _most_remaining(self, limit: int) -> list[CoroutineInfo]:
         info, reported = self.info, self.reported
         if len(self) <= limit:
             picked = sorted(self, key=info.__getitem__, reverse=True)

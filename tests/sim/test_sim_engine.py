@@ -13,9 +13,11 @@ import batchgen.runtime.policy as policy
 from batchgen.policy.balance import CoroutineInfo, reported_movable
 from batchgen.sim import cluster as sim_cluster
 from batchgen.sim import engine as sim_engine
+from batchgen.sim import reports as sim_reports
 from batchgen.sim.cost import build_cost
-from batchgen.sim.engine import EngineSimConfig, SimEngine, make_sequence
+from batchgen.sim.engine import EngineSimConfig, SimEngine
 from batchgen.sim.profiles import load_profile
+from batchgen.sim.seqs import make_sequence
 from batchgen.sim.shapes import load_shape
 from batchgen.sim.waiting import WaitingQueue
 from batchgen.sim.workload import synthetic
@@ -44,7 +46,7 @@ def test_the_policy_code_is_the_runtimes_own() -> None:
     assert sim_engine.Scheduler is policy.Scheduler
     assert sim_engine.prefer_transfer is policy.prefer_transfer
     assert sim_cluster.plan_migrations is balance.plan_migrations
-    assert sim_engine.reported_movable is balance.reported_movable
+    assert sim_reports.reported_movable is balance.reported_movable
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -92,14 +94,25 @@ def test_load_report_equals_the_runners_full_sort() -> None:
 
 
 def test_engine_load_is_what_the_policy_reads(cost) -> None:
+    """A report taken while a decode slice runs past the tick is what closing the slice there
+    leaves, and that is the runner's report on the sequences."""
     e = _engine(cost, 300, 5)
-    e.run_until(5.0)
-    load = e.load()
-    unfinished = list(e.scheduler.waiting) + e.scheduler.running
-    assert load.waiting == len(e.scheduler.waiting) and load.running == len(e.scheduler.running)
-    assert load.remaining_tokens == sum(s.remaining_tokens for s in unfinished)
-    assert load.movable == reported_movable(CoroutineInfo(int(s.seq_id), s.remaining_tokens, s.num_computed)
-                                            for s in unfinished)
+    open_slices = 0
+    for tick in np.arange(0.5, 60, 0.5):
+        e.run_until(float(tick))
+        load = e.load()
+        if e.slice is not None:
+            open_slices += 1
+            e.cut()
+            closed = e.load()
+            assert replace(load, tokens_per_s=0, speed=0) == replace(closed, tokens_per_s=0, speed=0)
+        unfinished = list(e.scheduler.waiting) + e.scheduler.running
+        assert load.waiting == len(e.scheduler.waiting) and load.running == len(e.scheduler.running)
+        assert load.remaining_tokens == sum(s.remaining_tokens for s in unfinished)
+        assert load.kv_used == 1 - e.allocator.num_free / e.allocator.num_blocks
+        assert tuple(load.movable) == reported_movable(CoroutineInfo(int(s.seq_id), s.remaining_tokens, s.num_computed)
+                                                       for s in unfinished)
+    assert open_slices > 10
 
 
 def test_lookahead_reserves_the_coming_decode_steps_and_evicts_for_them() -> None:

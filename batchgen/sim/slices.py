@@ -1,0 +1,92 @@
+"""A decode slice: k decode steps of one batch in closed form, decided by one `schedule()` call.
+
+The engine (engine.py) computes a slice's step times at once (numpy over the batch) and writes
+its effect into the `Sequence` objects only when it closes: at its end, or at a tick where the
+engine must act on its state (an order from the balancer, new rows), where it is cut after the
+forward in flight. Until then the engine's load report is read off the slice's arrays at the
+tick, equal to what closing it there would leave (tests/sim/test_sim_engine.py checks both).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from ..runtime.sequence import Sequence
+
+# A slice's arrays: [n] int64, in the batch's (plan) order.
+IntArray = np.ndarray
+
+
+class DecodeSlice:
+    """k >= 1 decode steps of `seqs` from `start`: row i feeds one token a step until it stops
+    after left[i] steps (it keeps its seat and blocks to the slice's end). cum[j - 1]: seconds
+    from `start` to the end of step j."""
+
+    __slots__ = ("seqs", "start", "generated", "c0", "out0", "left", "have", "left_sorted", "cum", "k",
+                 "block_size", "_reported")
+
+    def __init__(self, seqs: list[Sequence], start: float, generated: int, c0: IntArray, out0: IntArray,
+                 left: IntArray, have: IntArray, left_sorted: IntArray, cum: np.ndarray, k: int,
+                 block_size: int) -> None:
+        self.seqs, self.start, self.generated = seqs, start, generated
+        self.c0, self.out0, self.left, self.have, self.left_sorted = c0, out0, left, have, left_sorted
+        self.cum, self.k, self.block_size = cum, k, block_size
+        self._reported: _Sorted | None = None  # made on the first report
+
+    @property
+    def end(self) -> float:
+        return self.start + float(self.cum[self.k - 1])
+
+    def at(self, j: int) -> float:
+        return self.start + float(self.cum[j - 1])
+
+    def position(self, t: float) -> int:
+        """Steps done once the forward running at time t has completed (a forward is not cut)."""
+        return min(self.k, int(np.searchsorted(self.cum[:self.k], t - self.start, side="left")) + 1)
+
+    def blocks_needed(self, steps: int) -> IntArray:
+        """Blocks each row needs beyond those it holds after `steps` steps (0 where it has them)."""
+        return np.maximum(-(-(self.c0 + np.minimum(self.left, steps)) // self.block_size) - self.have, 0)
+
+    def finished_by(self, j: int) -> int:
+        return int(np.searchsorted(self.left_sorted, j, side="right"))
+
+    def report(self, j: int) -> tuple[int, int, int, Callable[[], np.ndarray]]:
+        """What closing the slice after j steps would leave, without closing it: (rows still
+        running, their remaining tokens (max_tokens minus those done), blocks the pool then
+        lacks against now, a function giving [r, 3] (seq_id, remaining, num_computed) of the
+        rows still running, in batch order: made only if the balancer reads them)."""
+        if self._reported is None:
+            self._reported = _Sorted(self)
+        r = self._reported
+        f = self.finished_by(j)
+        alive = len(self.seqs) - f
+        remaining = int(r.remaining_suffix[f]) - alive * j
+        need = np.maximum(-(-(r.c0[f:] + j) // self.block_size) - r.have[f:], 0)
+        taken = int(need.sum()) - int(r.have_prefix[f])
+        return alive, remaining, taken, functools.partial(self._rows, j)
+
+    def _rows(self, j: int) -> np.ndarray:
+        assert self._reported is not None
+        ids, max_tokens = self._reported.ids, self._reported.max_tokens
+        alive = self.left > j
+        return np.stack([ids[alive], max_tokens[alive] - self.out0[alive] - j, self.c0[alive] + j], axis=1)
+
+
+class _Sorted:
+    """A slice's rows sorted by the steps they have left, with the sums a report needs: the
+    rows finished after j steps are a prefix of this order."""
+
+    __slots__ = ("ids", "max_tokens", "c0", "have", "remaining_suffix", "have_prefix")
+
+    def __init__(self, piece: DecodeSlice) -> None:
+        seqs = piece.seqs
+        self.ids = np.fromiter((int(s.seq_id) for s in seqs), np.int64, len(seqs))
+        self.max_tokens = np.fromiter((s.params.max_tokens for s in seqs), np.int64, len(seqs))
+        order = np.argsort(piece.left, kind="stable")
+        self.c0, self.have = piece.c0[order], piece.have[order]
+        rest = (self.max_tokens - piece.out0)[order]
+        self.remaining_suffix = np.concatenate([np.cumsum(rest[::-1])[::-1], [0]])
+        self.have_prefix = np.concatenate([[0], np.cumsum(self.have)])
