@@ -9,12 +9,13 @@
     statement) in random order and grouped by source: --workload mixed --orders random,grouped.
 (3) --oracle: how near the ideal bound a policy that knew every row's length could come, in the
     fluid model of batchgen/sim/oblivious.py (longest first; the long rows on workers of their own).
-(2) How long simulating 1M rows on 128 workers takes on this machine (target: < 2 minutes); it
-    prints the load average around the run, as other jobs share the cores.
+(2) How long `batchgen plan --rows 1000000 --workers 128 --json` takes on this machine (every
+    policy; target: < 2 minutes); it prints the load average around the run, as other jobs share
+    the cores.
 
     python benchmarks/bench_sim.py                    # (1), both orders, ~5-10 min on 2 cores
     python benchmarks/bench_sim.py --workload mixed --orders random,grouped
-    python benchmarks/bench_sim.py --million          # (2): the batchgen policy on 1M rows (--rows N: N rows)
+    python benchmarks/bench_sim.py --million          # (2): every policy on 1M rows (--rows N: N rows)
     python benchmarks/bench_sim.py --rows 20000 --workers 32 --orders random   # quicker
     python benchmarks/bench_sim.py --oracle --workload mixed --orders random    # (3), ~5 min at 100k rows
 """
@@ -25,12 +26,12 @@ import os
 import resource
 import time
 
-from batchgen.sim.cluster import ClusterSimConfig, simulate
+from batchgen.sim.cluster import ClusterSimConfig
 from batchgen.sim.cost import build_cost
 from batchgen.sim.engine import EngineSimConfig
 from batchgen.sim.oblivious import isolated_bct, length_aware_bct, oblivious_bct, tail_bound, tail_need
-from batchgen.sim.planner import default_tick, format_report, ideal_bound, run_plan
-from batchgen.sim.policies import DEFAULT_POLICIES, BatchGen
+from batchgen.sim.planner import format_report, ideal_bound, run_plan
+from batchgen.sim.policies import DEFAULT_POLICIES
 from batchgen.sim.profiles import load_profile
 from batchgen.sim.shapes import load_shape
 from batchgen.sim.workload import synthetic
@@ -57,25 +58,25 @@ def fleet(rows: int, workers: int, profile: str, model: str, order: str, workloa
 
 
 def million(rows: int, workers: int, profile: str, model: str, workload: str) -> None:
+    """`batchgen plan --rows N --workers W --json`'s work (every policy, the ideal bound), timed:
+    wall, CPU of this process and of the simulating ones, load average around the run."""
     cost = build_cost(load_profile(profile), load_shape(model))
     load0 = os.getloadavg()[0]
     t0, cpu0 = time.perf_counter(), time.process_time()
-    w = synthetic(workload, rows, seed=0)
-    engine = EngineSimConfig()
-    tick = default_tick(ideal_bound(w, cost, engine, workers))
-    # every core of this machine (batchgen/sim/parallel.py: the same result as one process)
-    processes = os.cpu_count() or 1
     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    result = simulate(w, cost, engine, BatchGen(), ClusterSimConfig(workers, tick_s=tick, processes=processes))
+    w = synthetic(workload, rows, seed=0)
+    # every core of this machine (batchgen/sim/parallel.py: the same results as one process)
+    processes = os.cpu_count() or 1
+    report = run_plan(w, cost, EngineSimConfig(), ClusterSimConfig(workers, processes=processes))
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     kids = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
-    print(f"{rows} rows ({workload}) on {workers} x {model} on {profile}, batchgen policy: simulated BCT "
-          f"{result.bct_s / 3600:.2f} h (ideal {ideal_bound(w, cost, engine, workers).bct_s / 3600:.2f} h), "
-          f"{result.migrated_coroutines} coroutines moved; simulating took {wall:.0f} s wall (target < 120 s) "
-          f"on {processes} processes, CPU {cpu:.0f} s in this one and {kids:.0f} s in the others; load average "
-          f"{load0:.1f} before, {os.getloadavg()[0]:.1f} after; peak memory "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")
+    bcts = ", ".join(f"{r.policy} {r.bct_s:.1f} s" for r in report.results)
+    print(f"{rows} rows ({workload}) on {workers} x {model} on {profile}: simulated BCT {bcts} (ideal "
+          f"{report.ideal.bct_s:.1f} s), batchgen moved {report.by_name('batchgen').migrated_coroutines} coroutines; "
+          f"simulating took {wall:.0f} s wall on {processes} processes, CPU {cpu:.0f} s in this one and "
+          f"{kids:.0f} s in the others; load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; peak "
+          f"memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB in this one")
 
 
 def oracle(rows: int, workers: int, profile: str, model: str, workload: str, order: str) -> None:
@@ -117,7 +118,7 @@ def main() -> None:
     ap.add_argument("--orders", default="random,sorted")
     ap.add_argument("--policies", default="static,dynamic,batchgen", help="which to simulate (static and "
                     "batchgen are the ratios the targets name)")
-    ap.add_argument("--million", action="store_true", help="time 1M rows (batchgen policy) instead")
+    ap.add_argument("--million", action="store_true", help="time plan's work on 1M rows (every policy) instead")
     ap.add_argument("--oracle", action="store_true", help="instead: how near the ideal bound knowing every "
                     "row's length would come (fluid estimates: longest first; long rows on workers of their own)")
     args = ap.parse_args()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +86,9 @@ class Arrival:
     at: float
     seq: Sequence
     kv_tokens: int  # 0: it recomputes its KV here
+
+
+_NUM_NEW = operator.attrgetter("num_new")  # Plan.num_tokens, summed in C (every decision)
 
 
 class SimEngine:
@@ -299,7 +303,7 @@ class SimEngine:
 
     def _decode_only(self, plan: Plan) -> bool:
         n = len(plan.scheduled)
-        if plan.swapped_in or n != len(self.scheduler.running) or plan.num_tokens != n:
+        if plan.swapped_in or n != len(self.scheduler.running) or sum(map(_NUM_NEW, plan.scheduled)) != n:
             return False  # every num_new >= 1, so all are 1 here; a 1-token chunk may still not sample:
         return n < self.config.max_num_batched_tokens or all(item.samples for item in plan.scheduled)
 
@@ -313,24 +317,27 @@ class SimEngine:
 
     def _step(self, plan: Plan, extra_s: float) -> None:
         """One forward as planned (prefill chunks, swap-ins, a partial batch)."""
-        tokens = kv = 0
-        pairs = 0.0
-        for item in plan.scheduled:
-            c, n = item.seq.num_computed, item.num_new
-            tokens, kv, pairs = tokens + n, kv + c + n, pairs + n * (c + (n + 1) / 2)
         for seq in plan.swapped_in:
             self.swapped_tokens -= seq.num_computed
             extra_s += seq.num_computed * self.cost.kv_bytes_per_token / self.cost.host_bytes_per_s
-        self.now += float(self.cost.step_seconds(tokens, len(plan.scheduled), kv, pairs)) + extra_s
-        for item in plan.scheduled:
-            seq = item.seq
-            seq.num_computed = computed = seq.num_computed + item.num_new
+        tokens = kv = sampled = 0
+        pairs = 0.0
+        stopping = []
+        for item in plan.scheduled:  # one pass (hot: every prefill step): sums before, state after
+            seq, n = item.seq, item.num_new
+            c = seq.num_computed
+            tokens, kv, pairs = tokens + n, kv + c + n, pairs + n * (c + (n + 1) / 2)
+            seq.num_computed = computed = c + n
             out = len(seq.output_ids)
             if computed == len(seq.prompt_ids) + out:  # ScheduledSeq.samples: it reached its last token
                 seq.output_ids = token_list(out + 1)  # type: ignore[assignment]
-                self.generated += 1
+                sampled += 1
                 if out + 1 >= seq.params.stop_at:
-                    self._finish_if_done(seq)
+                    stopping.append(seq)
+        self.now += float(self.cost.step_seconds(tokens, len(plan.scheduled), kv, pairs)) + extra_s
+        self.generated += sampled
+        for seq in stopping:
+            self._finish_if_done(seq)
 
     def _decode(self, plan: Plan, extra_s: float) -> DecodeSlice:
         """k >= 1 decode steps of the planned batch in closed form (see the module docstring)."""
@@ -375,11 +382,9 @@ class SimEngine:
         steps = np.minimum(left, k)
         self.generated += int(steps.sum())
         seqs = piece.seqs
-        computed, outputs = (piece.c0 + steps).tolist(), (piece.out0 + steps).tolist()
-        for i in range(len(seqs)):  # hot loop: plain ints
-            seq = seqs[i]
-            seq.num_computed = computed[i]
-            seq.output_ids = range(outputs[i])  # type: ignore[assignment]
+        for seq, computed, out in zip(seqs, (piece.c0 + steps).tolist(), (piece.out0 + steps).tolist()):
+            seq.num_computed = computed  # hot loop: plain ints
+            seq.output_ids = range(out)  # type: ignore[assignment]
         need = piece.blocks_needed(k)
         allocate = self.allocator.allocate
         for i in np.flatnonzero(need).tolist():
