@@ -44,14 +44,14 @@ class DecodeSlice:
 
     def position(self, t: float) -> int:
         """Steps done once the forward running at time t has completed (a forward is not cut)."""
-        return min(self.k, int(np.searchsorted(self.cum[:self.k], t - self.start, side="left")) + 1)
+        return min(self.k, int(self.cum.searchsorted(t - self.start)) + 1)  # (cum past k is never read)
 
     def blocks_needed(self, steps: int) -> IntArray:
         """Blocks each row needs beyond those it holds after `steps` steps (0 where it has them)."""
         return np.maximum(-(-(self.c0 + np.minimum(self.left, steps)) // self.block_size) - self.have, 0)
 
     def finished_by(self, j: int) -> int:
-        return int(np.searchsorted(self.left_sorted, j, side="right"))
+        return int(self.left_sorted.searchsorted(j, side="right"))
 
     def report(self, j: int) -> tuple[int, int, int, Callable[[], np.ndarray]]:
         """What closing the slice after j steps would leave, without closing it: (rows still
@@ -64,8 +64,10 @@ class DecodeSlice:
         f = self.finished_by(j)
         alive = len(self.seqs) - f
         remaining = int(r.remaining_suffix[f]) - alive * j
-        need = np.maximum(-(-(r.c0[f:] + j) // self.block_size) - r.have[f:], 0)
-        taken = int(need.sum()) - int(r.have_prefix[f])
+        # blocks a running row lacks after j steps: ceil((j - room) / block_size), room = the
+        # tokens its blocks held beyond its context at the start
+        need = (j - r.room[f:] + (self.block_size - 1)) // self.block_size
+        taken = int(need[need > 0].sum()) - int(r.have_prefix[f])
         return alive, remaining, taken, functools.partial(self._rows, j)
 
     def _rows(self, j: int) -> np.ndarray:
@@ -79,14 +81,15 @@ class _Sorted:
     """A slice's rows sorted by the steps they have left, with the sums a report needs: the
     rows finished after j steps are a prefix of this order."""
 
-    __slots__ = ("ids", "max_tokens", "c0", "have", "remaining_suffix", "have_prefix")
+    __slots__ = ("ids", "max_tokens", "room", "remaining_suffix", "have_prefix")
 
     def __init__(self, piece: DecodeSlice) -> None:
         seqs = piece.seqs
         self.ids = np.fromiter((int(s.seq_id) for s in seqs), np.int64, len(seqs))
         self.max_tokens = np.fromiter((s.params.max_tokens for s in seqs), np.int64, len(seqs))
         order = np.argsort(piece.left, kind="stable")
-        self.c0, self.have = piece.c0[order], piece.have[order]
+        have = piece.have[order]
+        self.room = have * piece.block_size - piece.c0[order]
         rest = (self.max_tokens - piece.out0)[order]
         self.remaining_suffix = np.concatenate([np.cumsum(rest[::-1])[::-1], [0]])
-        self.have_prefix = np.concatenate([[0], np.cumsum(self.have)])
+        self.have_prefix = np.concatenate([[0], np.cumsum(have)])

@@ -24,11 +24,12 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
         self.info: dict[Sequence, int] = {}  # remaining tokens, as it joined
         self.reported = _Reported(self.info)  # a row's CoroutineInfo, made when a report first lists it
         self._top: tuple[int, list[CoroutineInfo]] | None = None  # the last report, until the queue changes
+        self._remaining: int | None = None
         for item in items:
             self.append(item)
 
     def _add(self, seq: Sequence) -> None:
-        self._top = None
+        self._top = self._remaining = None
         remaining = self.info[seq] = seq.remaining_tokens
         self.counts[remaining] += 1
 
@@ -50,7 +51,7 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
         self._drop(seq)
 
     def _drop(self, seq: Sequence) -> None:
-        self._top = None
+        self._top = self._remaining = None
         key = self.info.pop(seq)
         self.reported.pop(seq, None)
         self.counts[key] -= 1
@@ -59,7 +60,9 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
 
     @property
     def remaining_tokens(self) -> int:
-        return sum(k * n for k, n in self.counts.items())
+        if self._remaining is None:
+            self._remaining = sum(k * n for k, n in self.counts.items())
+        return self._remaining
 
     def most_remaining(self, limit: int) -> list[CoroutineInfo]:
         """The report of sorted(self, key=remaining, reverse=True)[:limit], ties in queue order
