@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
     from distributed import Client
 
 
+@contextlib.contextmanager
 def cluster_session(args: argparse.Namespace, engine_key: str) -> Iterator[Client]:
     """A client of --scheduler's cluster, or of a local one of --workers workers (closed after),
     with batchgen installed; a user's cluster is left as it was found."""
