@@ -1,5 +1,5 @@
-"""The demo: a trained tiny MoE that normalizes messy dates (shipped), and the random-weight
-builder the tests use.
+"""The demo: a trained tiny MoE that normalizes messy dates, shipped in the package, with its
+prompt and its tokenizer's special tokens.
 
     batchgen.demo.demo_model_dir()          # the trained checkpoint inside the package
     batchgen.demo.variant_dirs()            # smaller, weaker ones (name -> dir): MoA's proposers
@@ -10,20 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .prompt import DEMO_INSTRUCTION, DEMO_MAX_TOKENS, DEMO_PROMPT, DEMO_STOP
-from .random_model import (
-    BOS_ID,
-    CHAT_TEMPLATE,
-    EOS_ID,
-    IM_END_ID,
-    IM_START_ID,
-    PAD_ID,
-    SPECIAL_TOKENS,
-    build_demo_model,
-    corpus,
-    default_demo_dir,
-    tokenizer_vocab_size,
-    train_tokenizer,
-)
+from .tokens import BOS_ID, CHAT_TEMPLATE, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID, SPECIAL_TOKENS
 
 
 def demo_model_dir() -> Path:
@@ -40,6 +27,5 @@ def variant_dirs() -> dict[str, Path]:
 
 __all__ = [
     "BOS_ID", "CHAT_TEMPLATE", "DEMO_INSTRUCTION", "DEMO_MAX_TOKENS", "DEMO_PROMPT", "DEMO_STOP", "EOS_ID",
-    "IM_END_ID", "IM_START_ID", "PAD_ID", "SPECIAL_TOKENS", "build_demo_model", "corpus", "default_demo_dir",
-    "demo_model_dir", "tokenizer_vocab_size", "train_tokenizer", "variant_dirs",
+    "IM_END_ID", "IM_START_ID", "PAD_ID", "SPECIAL_TOKENS", "demo_model_dir", "variant_dirs",
 ]

@@ -73,10 +73,9 @@ def build_dit(path: str | os.PathLike, *, sched: str = "ddim", sample_size: int 
 def build_t5_tokenizer(path: str | os.PathLike) -> Any:
     """A unigram T5-style tokenizer (<pad>=0, </s>=1, <unk>=2, '</s>' appended) trained on
     Python's own documentation strings."""
+    from demo_builder import corpus
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import T5Tokenizer
-
-    from batchgen.demo import corpus
 
     tok = Tokenizer(models.Unigram())
     tok.pre_tokenizer = pre_tokenizers.Metaspace()

@@ -26,9 +26,8 @@ def _clip_bpe_dir() -> Path:
     once per test session on Python's own documentation strings."""
     import tempfile
 
+    from demo_builder import corpus
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    from batchgen.demo import corpus
 
     path = Path(tempfile.mkdtemp(prefix="tiny-clip-bpe-"))
     tok = Tokenizer(models.BPE(end_of_word_suffix="</w>", continuing_subword_prefix=""))

@@ -13,10 +13,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from demo_builder import build_demo_model, tokenizer_vocab_size
 from distributed import Client, LocalCluster
 
 import batchgen.cluster as bc
-from batchgen.demo import build_demo_model, tokenizer_vocab_size
 from batchgen.policy.balance import BalanceConfig
 from batchgen.sim.calibrate import calibrate
 from batchgen.sim.cluster import ClusterSimConfig, simulate
