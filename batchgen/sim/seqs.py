@@ -2,7 +2,7 @@
 reads only their lengths), and the row's true output length rides in its params."""
 from __future__ import annotations
 
-from ..runtime.sequence import SeqId, Sequence
+from ..runtime.sequence import Sequence
 
 
 def token_list(n: int) -> range:
@@ -26,7 +26,13 @@ class SimRequest:
         return f"SimRequest(max_tokens={self.max_tokens}, output_len={self.output_len})"
 
 
+_NO_OUTPUT = range(0)  # shared: a row's output_ids is replaced, never changed in place
+
+
 def make_sequence(row: int, prompt_len: int, max_tokens: int, output_len: int) -> Sequence:
-    return Sequence(SeqId(row), row, token_list(prompt_len), SimRequest(max_tokens, output_len, min(max_tokens, output_len)), 0,  # type: ignore[arg-type]
-                    output_ids=token_list(0))  # type: ignore[arg-type]
+    """A row's Sequence, made a million times a run: positional fields and no helper calls
+    (SeqId(row) is row at run time) take half the time of the keyword form."""
+    stop_at = max_tokens if max_tokens < output_len else output_len
+    return Sequence(row, row, range(prompt_len), SimRequest(max_tokens, output_len, stop_at), 0,  # type: ignore[arg-type]
+                    _NO_OUTPUT)  # type: ignore[arg-type]
 
