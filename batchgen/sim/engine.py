@@ -369,7 +369,7 @@ class SimEngine:
             horizon = min(horizon, int(np.searchsorted(cum, self.arrivals[0][0] - self.now, side="left")) + 1)
         piece = DecodeSlice(seqs, self.now, self.generated, c0, out0, left, have, left_sorted, cum, horizon,
                             self.allocator.block_size)
-        piece.k = self._kv_limit(piece)
+        piece.fit(self.allocator.num_free)
         return piece
 
     def _close(self, k: int) -> None:
@@ -385,22 +385,10 @@ class SimEngine:
         for seq, computed, out in zip(seqs, (piece.c0 + steps).tolist(), (piece.out0 + steps).tolist()):
             seq.num_computed = computed  # hot loop: plain ints
             seq.output_ids = range(out)  # type: ignore[assignment]
-        need = piece.blocks_needed(k)
+        need = piece.blocks_needed(k)  # (cached for k = piece.k)
         allocate = self.allocator.allocate
         for i in np.flatnonzero(need).tolist():
             seqs[i].block_ids += allocate(int(need[i]))
         for i in np.flatnonzero(steps == left).tolist():
             self._finish_if_done(seqs[i])
         self._account(piece.start, piece.generated)
-
-    def _kv_limit(self, piece: DecodeSlice) -> int:
-        """Largest k' <= piece.k whose blocks fit the free pool (step 1's, and with lookahead
-        the whole slice's, are already allocated)."""
-        free, k = self.allocator.num_free, piece.k
-        if int(piece.blocks_needed(k).sum()) <= free:
-            return k
-        lo, hi = 1, k  # need(1) is all 0: step 1's blocks came with the plan
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if int(piece.blocks_needed(mid).sum()) <= free else (lo, mid - 1)
-        return lo

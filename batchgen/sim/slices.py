@@ -25,7 +25,7 @@ class DecodeSlice:
     from `start` to the end of step j."""
 
     __slots__ = ("seqs", "start", "generated", "c0", "out0", "left", "have", "left_sorted", "cum", "k",
-                 "block_size", "_reported")
+                 "block_size", "_reported", "_need")
 
     def __init__(self, seqs: list[Sequence], start: float, generated: int, c0: IntArray, out0: IntArray,
                  left: IntArray, have: IntArray, left_sorted: IntArray, cum: np.ndarray, k: int,
@@ -34,6 +34,7 @@ class DecodeSlice:
         self.c0, self.out0, self.left, self.have, self.left_sorted = c0, out0, left, have, left_sorted
         self.cum, self.k, self.block_size = cum, k, block_size
         self._reported: _Sorted | None = None  # made on the first report
+        self._need: tuple[int, IntArray] | None = None  # (steps, blocks_needed(steps)), the last asked
 
     @property
     def end(self) -> float:
@@ -48,7 +49,21 @@ class DecodeSlice:
 
     def blocks_needed(self, steps: int) -> IntArray:
         """Blocks each row needs beyond those it holds after `steps` steps (0 where it has them)."""
-        return np.maximum(-(-(self.c0 + np.minimum(self.left, steps)) // self.block_size) - self.have, 0)
+        if self._need is None or self._need[0] != steps:
+            self._need = (steps, np.maximum(-(-(self.c0 + np.minimum(self.left, steps)) // self.block_size)
+                                            - self.have, 0))
+        return self._need[1]
+
+    def fit(self, free: int) -> None:
+        """Cut k to the most steps whose blocks fit `free` blocks (step 1's, and with lookahead
+        the whole slice's, came with the plan): a KV-bound slice ends where the pool runs out."""
+        if int(self.blocks_needed(self.k).sum()) <= free:
+            return
+        lo, hi = 1, self.k  # need(1) is all 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if int(self.blocks_needed(mid).sum()) <= free else (lo, mid - 1)
+        self.k = lo
 
     def finished_by(self, j: int) -> int:
         return int(self.left_sorted.searchsorted(j, side="right"))
