@@ -43,7 +43,7 @@ from ..runtime.sequence import SeqStatus, Sequence
 from .blocks import BlockCounter
 from .cost import CostModel, recompute_tokens_per_s
 from .reports import ReportedMovable, running_rows
-from .seqs import SimRequest, token_list
+from .seqs import SimRequest
 from .slices import DecodeSlice
 from .waiting import WaitingQueue
 
@@ -330,7 +330,7 @@ class SimEngine:
             seq.num_computed = computed = c + n
             out = len(seq.output_ids)
             if computed == len(seq.prompt_ids) + out:  # ScheduledSeq.samples: it reached its last token
-                seq.output_ids = token_list(out + 1)  # type: ignore[assignment]
+                seq.output_ids = range(out + 1)  # type: ignore[assignment]
                 sampled += 1
                 if out + 1 >= seq.params.stop_at:
                     stopping.append(seq)

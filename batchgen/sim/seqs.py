@@ -5,11 +5,6 @@ from __future__ import annotations
 from ..runtime.sequence import Sequence
 
 
-def token_list(n: int) -> range:
-    """Stands in for a token list: the policy only ever takes its length (a range's is C-fast)."""
-    return range(n)
-
-
 class SimRequest:
     """A simulated row's `params`. The policy reads max_tokens (its upper bound, as in the
     runtime); output_len is when the row really stops (EOS), known only to the simulator.
