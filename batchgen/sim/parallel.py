@@ -33,7 +33,7 @@ from .cost import CostModel
 from .engine import Arrival, EngineSimConfig
 from .policies import deal
 from .reports import ReportedMovable
-from .shard import LOAD_FIELDS, EngineResult, Shard
+from .shard import EngineResult, Shard
 from .workload import Workload
 
 
@@ -207,12 +207,11 @@ def _loads(kids: _Children, templates: list[EngineLoad], answers: dict[int, Any]
     numbers = np.concatenate([answers[i]["loads"] for i in range(len(kids.conns))]).tolist()
     out = {}
     for load, row in zip(templates, numbers):
-        waiting, running, remaining, kv_used, tokens_per_s, speed, count = row
+        waiting, running, remaining, kv_used, tokens_per_s, speed, count = row  # shard.LOAD_FIELDS, then the count
         fetch = _fetcher(kids, load.worker)
         out[load.worker] = EngineLoad(load.worker, load.model, load.ready, int(waiting), int(running), int(remaining),
                                       kv_used, tokens_per_s, _RemoteMovable(fetch, int(count)),  # type: ignore[arg-type]
                                       speed, load.kv_capacity_tokens, load.max_num_seqs, load.device)
-    assert len(LOAD_FIELDS) == 6
     return out
 
 
