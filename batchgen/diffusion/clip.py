@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from .encoder_weights import load_encoder_weights
 
 _ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
                 "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -51,14 +51,9 @@ class CLIPTextEncoder:
 
     def __init__(self, path: Path, dtype: torch.dtype, device: str) -> None:
         self.config = CLIPConfig.read(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"{path}: no safetensors weights for the CLIP text encoder")
-        w: dict[str, torch.Tensor] = {}
-        for f in files:
-            w.update(load_file(str(f)))
+        w = load_encoder_weights(path, "CLIP text encoder", dtype, device)
         # transformers 4 writes text_model.* (both classes); strip it so one set of names serves
-        self.w = {k.removeprefix("text_model."): v.to(device=device, dtype=dtype) for k, v in w.items()}
+        self.w = {k.removeprefix("text_model."): v for k, v in w.items()}
         self.device = torch.device(device)
         self.dtype = dtype
         missing = [k for k in self._needed() if k not in self.w]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from .encoder_weights import load_encoder_weights
 
 _ACTIVATIONS = {"relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -68,13 +68,7 @@ class T5Encoder:
 
     def __init__(self, path: Path, dtype: torch.dtype, device: str) -> None:
         self.config = T5Config.read(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"{path}: no safetensors weights for the T5 encoder")
-        w: dict[str, torch.Tensor] = {}
-        for f in files:
-            w.update(load_file(str(f)))
-        self.w = {k: v.to(device=device, dtype=dtype) for k, v in w.items()}
+        self.w = load_encoder_weights(path, "T5 encoder", dtype, device)
         self.device = torch.device(device)
         self.dtype = dtype
         embed = self.w.get("encoder.embed_tokens.weight", self.w.get("shared.weight"))
