@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from batchgen.cluster.generate import generate as generate
     from batchgen.cluster.generate import output_meta as output_meta
     from batchgen.config import EngineConfig as EngineConfig
-    from batchgen.diffusion.frame import diffuse as diffuse
+    from batchgen.diffusion.jobs.frame import diffuse as diffuse
     from batchgen.engine import Engine as Engine
     from batchgen.errors import (
         BatchgenError as BatchgenError,
@@ -51,7 +51,7 @@ _EXPORTS = {
     "connect": "batchgen.cluster.client",
     "generate": "batchgen.cluster.generate",
     "output_meta": "batchgen.cluster.generate",
-    "diffuse": "batchgen.diffusion.frame",
+    "diffuse": "batchgen.diffusion.jobs.frame",
 }
 
 __all__ = sorted(_EXPORTS)

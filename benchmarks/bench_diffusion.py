@@ -59,7 +59,7 @@ def static_batch(model: str, reqs: list[Any]) -> float:
     """One static batch, as a request-level batcher runs it (one pipeline call per size and
     guidance mode; every row in the forward until the sub-batch's longest trajectory ends, then
     one VAE decode); -> its end time. The forwards and decodes are real; the images are not kept."""
-    from batchgen.diffusion.on_worker import on_engine
+    from batchgen.diffusion.distributed.on_worker import on_engine
 
     return on_engine(model, {}, lambda engine: _static_on(engine.pipe, reqs))
 
@@ -67,8 +67,8 @@ def static_batch(model: str, reqs: list[Any]) -> float:
 def _static_on(pipe: Any, reqs: list[Any]) -> float:
     import torch
 
-    from batchgen.diffusion.decode import decode
-    from batchgen.diffusion.forward import predict
+    from batchgen.diffusion.models.decode import decode
+    from batchgen.diffusion.models.forward import predict
 
     subs: dict[tuple, list[Any]] = {}
     for r in reqs:
@@ -88,7 +88,7 @@ def _static_on(pipe: Any, reqs: list[Any]) -> float:
 def warm(model: str) -> bool:
     """A Dask task: this worker's engine for the model loaded and run once."""
     from batchgen.diffusion import ImageRequest
-    from batchgen.diffusion.on_worker import on_engine
+    from batchgen.diffusion.distributed.on_worker import on_engine
 
     on_engine(model, {}, lambda engine: engine.generate([ImageRequest(class_label=0, num_inference_steps=2,
                                                                       height=16, width=16)]))
@@ -132,7 +132,7 @@ def run_static(client: Any, model: str, reqs: list[Any], batch: int) -> tuple[fl
 
 def run_batchgen(client: Any, model: str, reqs: list[Any], policy: str, deadlines: list[float], cost: Any,
                  max_running: int, elastic: bool) -> tuple[float, list[float], int, int, float]:
-    from batchgen.diffusion.elastic import run_on_cluster
+    from batchgen.diffusion.distributed.elastic import run_on_cluster
 
     start = time.time()
     abs_deadlines = [start + d for d in deadlines]
@@ -168,7 +168,7 @@ def main() -> int:
     import tiny_diffusion as tiny
     from distributed import Client, LocalCluster
 
-    from batchgen.diffusion.calibrate import calibrate_cluster
+    from batchgen.diffusion.distributed.calibrate import calibrate_cluster
     from batchgen.policy.diffusion_step import TrajView, best_degree, remaining_work
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_diffusion_"))

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def _worker(rank: int, port: int, repeats: int, out: mp.Queue) -> None:
-    from batchgen.diffusion.groups import Group, all_gather, init_world
+    from batchgen.diffusion.parallel.groups import Group, all_gather, init_world
 
     torch.set_num_threads(1)
     init_world(rank, 3, f"tcp://127.0.0.1:{port}")

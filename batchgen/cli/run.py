@@ -54,10 +54,10 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _run_images(args: argparse.Namespace) -> int:
     """An image job: a text job's checks and runner with the image reader, sink and backend
-    (batchgen/diffusion/images_batch.py), in this process or on a Dask cluster."""
-    from batchgen.diffusion.engine_spec import image_spec
-    from batchgen.diffusion.images_batch import IMAGE_FORMATS, cluster_stream, engine_stream, run_images_job
-    from batchgen.diffusion.pipeline import read_index
+    (batchgen/diffusion/jobs/images_batch.py), in this process or on a Dask cluster."""
+    from batchgen.diffusion.distributed.engine_spec import image_spec
+    from batchgen.diffusion.jobs.images_batch import IMAGE_FORMATS, cluster_stream, engine_stream, run_images_job
+    from batchgen.diffusion.models.pipeline import read_index
 
     spec = _job_spec(args, formats=IMAGE_FORMATS)
     spec.check()
@@ -72,7 +72,7 @@ def _run_images(args: argparse.Namespace) -> int:
             summary = run_images_job(spec, cluster_stream(DaskBackend(client, engine)), model_name=name,
                                      chunk_size=args.chunk_size, progress=args.progress)
     else:
-        from batchgen.diffusion.engine import DiffusionEngine
+        from batchgen.diffusion.engine.diffusion_engine import DiffusionEngine
 
         local = DiffusionEngine(args.model, **options)  # ModelLoadError: exit 2
         summary = run_images_job(spec, engine_stream(local), model_name=name, chunk_size=args.chunk_size,

@@ -10,13 +10,13 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DiffusionEngine": "batchgen.diffusion.engine",
-    "ImageOutput": "batchgen.diffusion.engine",
-    "ImageRequest": "batchgen.diffusion.request",
+    "DiffusionEngine": "batchgen.diffusion.engine.diffusion_engine",
+    "ImageOutput": "batchgen.diffusion.engine.diffusion_engine",
+    "ImageRequest": "batchgen.diffusion.engine.request",
     "CostModel": "batchgen.policy.diffusion_cost",
     "ElasticOptions": "batchgen.policy.diffusion_plan",
-    "run_on_cluster": "batchgen.diffusion.elastic",
-    "diffuse": "batchgen.diffusion.frame",
+    "run_on_cluster": "batchgen.diffusion.distributed.elastic",
+    "diffuse": "batchgen.diffusion.jobs.frame",
 }
 __all__ = sorted(_EXPORTS)
 

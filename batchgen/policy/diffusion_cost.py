@@ -15,7 +15,7 @@ packed: a worker's degree-1 forwards of one step, of any latent shapes, run as o
 blocks cannot be packed (one forward, one fixed cost, per shape).
 
 Torch-free; `calibrate.py` fits it by timing real forwards on this machine (`python -m
-batchgen.diffusion.calibrate`), the simulator and policy read it.
+batchgen.diffusion.distributed.calibrate`), the simulator and policy read it.
 """
 from __future__ import annotations
 

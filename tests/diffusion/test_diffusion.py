@@ -150,11 +150,11 @@ def test_resume_refuses_other_model_and_garbage(dit_dir, pixart_dirs):
 
 
 def test_our_t5_encoder_and_tokenizer_equal_transformers(pixart_dirs):
-    """batchgen.diffusion.t5 (plain torch, `tokenizers`) against transformers' T5, the oracle:
+    """batchgen.diffusion.models.t5 (plain torch, `tokenizers`) against transformers' T5, the oracle:
     the same ids and mask (padding, and truncation keeping </s> last) and the same embeddings."""
     import transformers
 
-    from batchgen.diffusion.t5 import T5Encoder, T5Tokens
+    from batchgen.diffusion.models.t5 import T5Encoder, T5Tokens
 
     root = pixart_dirs["dpm"]
     texts = ["a red fox", "", "the quick brown fox jumps over the lazy dog " * 8]

@@ -4,7 +4,7 @@ migrate to the idle worker, and a SIGKILLed worker loses and duplicates no image
 
 Images are compared with diffusers-exact single-engine references to within one 8-bit level:
 rows that share a forward with other rows (a different mix after a migration) agree with the
-row alone to ~1e-5 (diffusion/packed.py), which quantisation can round either way.
+row alone to ~1e-5 (diffusion/models/packed.py), which quantisation can round either way.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-from batchgen.diffusion import ddim_batch  # noqa: E402
+from batchgen.diffusion.models import ddim_batch  # noqa: E402
 
 CONFIGS = [
     {},

@@ -125,8 +125,8 @@ def test_images_jsonl_ids_sizes_and_seeds(dit_dir, tmp_path):
 
 
 def test_a_forward_or_decode_that_raises_fails_only_its_request(dit_dir, monkeypatch):
-    import batchgen.diffusion.denoise as denoise
-    import batchgen.diffusion.engine as engine_mod
+    import batchgen.diffusion.engine.denoise as denoise
+    import batchgen.diffusion.engine.diffusion_engine as engine_mod
 
     reqs = [ImageRequest(class_label=1, num_inference_steps=3, guidance_scale=2.0, seed=0),
             ImageRequest(class_label=7, num_inference_steps=3, guidance_scale=2.0, seed=1),   # its forward raises

@@ -7,7 +7,7 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-from batchgen.diffusion import flow_batch  # noqa: E402
+from batchgen.diffusion.models import flow_batch  # noqa: E402
 
 CONFIGS = [({"shift": 3.0}, {}),                                           # SD3.5
            ({"shift": 1.0}, {"sigmas": "flux"}),                           # Flux-schnell

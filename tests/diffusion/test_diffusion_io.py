@@ -21,9 +21,9 @@ from PIL import Image  # noqa: E402
 
 from batchgen.cli import main  # noqa: E402
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
-from batchgen.diffusion.images_batch import IMAGES  # noqa: E402
-from batchgen.diffusion.images_lines import ImagesReader, LineResult  # noqa: E402
-from batchgen.diffusion.images_sink import ImagesParquetSink  # noqa: E402
+from batchgen.diffusion.jobs.images_batch import IMAGES  # noqa: E402
+from batchgen.diffusion.jobs.images_lines import ImagesReader, LineResult  # noqa: E402
+from batchgen.diffusion.jobs.images_sink import ImagesParquetSink  # noqa: E402
 from batchgen.io.job import run_job  # noqa: E402
 from batchgen.io.parquet_sink import parts_dir  # noqa: E402
 
@@ -60,7 +60,7 @@ def _pixels(path: str) -> np.ndarray:
 
 def _close(got: np.ndarray, want: np.ndarray) -> bool:
     # An image packed into one forward with others agrees with the same image made alone within
-    # 1e-5 (fp32; diffusion/packed.py), not bit for bit (AVX2 and AVX512 sum in other orders).
+    # 1e-5 (fp32; diffusion/models/packed.py), not bit for bit (AVX2 and AVX512 sum in other orders).
     # 1e-5 of [0, 1] is 0.003 of a uint8 level, so quantisation moves a pixel by one level at most.
     return got.shape == want.shape and int(np.abs(got - want).max()) <= 1
 

@@ -140,7 +140,7 @@ def test_our_clip_encoders_and_tokenizers_equal_transformers(dirs):
     pooled / projected outputs."""
     import transformers
 
-    from batchgen.diffusion.clip import CLIPTextEncoder, CLIPTokens
+    from batchgen.diffusion.models.clip import CLIPTextEncoder, CLIPTokens
 
     texts = ["a red fox", "", "The QUICK brown fox, jumps over the lazy dog's 42 bones " * 3, "naïve  café"]
     cases = [(dirs["sd3"], "", transformers.CLIPTextModelWithProjection),
@@ -168,7 +168,7 @@ def test_our_clip_encoders_and_tokenizers_equal_transformers(dirs):
 def test_prompt_embeddings_equal_the_pipelines_encode_prompt(dirs, family):
     """mmdit_text.py's SD3 / Flux assembly of CLIP and T5 outputs against diffusers' encode_prompt
     (its encoders are transformers')."""
-    from batchgen.diffusion.pipeline import load_pipeline
+    from batchgen.diffusion.models.pipeline import load_pipeline
 
     path = dirs[family]
     ref = tm.pipeline(tm.pipeline_class(path), str(path))
@@ -273,9 +273,9 @@ def test_batchgen_run_and_diffuse_take_mmdit_pipelines(dirs, tmp_path, capsys):
 
 
 def test_calibrate_times_mmdit_forwards(dirs):
-    from batchgen.diffusion.calibrate import calibrate
-    from batchgen.diffusion.elastic_loop import allowed_degrees
-    from batchgen.diffusion.pipeline import load_pipeline
+    from batchgen.diffusion.distributed.calibrate import calibrate
+    from batchgen.diffusion.distributed.elastic_loop import allowed_degrees
+    from batchgen.diffusion.models.pipeline import load_pipeline
 
     for family in ("sd3", "flux_dev"):
         pipe = load_pipeline(dirs[family], max_sequence_length=tm.T5_LENGTH)

@@ -1,4 +1,4 @@
-"""Token-packed forwards (batchgen/diffusion/packed.py): several latent shapes in one forward,
+"""Token-packed forwards (batchgen/diffusion/models/packed.py): several latent shapes in one forward,
 against diffusers' own transformer forward per shape (fp32 CPU)."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ pytest.importorskip("diffusers")
 import tiny_diffusion as tiny  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
-from batchgen.diffusion.packed import packable, predict_packed  # noqa: E402
-from batchgen.diffusion.pipeline import load_pipeline  # noqa: E402
+from batchgen.diffusion.models.packed import packable, predict_packed  # noqa: E402
+from batchgen.diffusion.models.pipeline import load_pipeline  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_engine_runs_every_shape_of_a_step_in_one_forward(dirs):
 
 
 def test_an_unpackable_pipeline_runs_one_forward_per_shape(dirs, monkeypatch):
-    import batchgen.diffusion.packed as packed
+    import batchgen.diffusion.models.packed as packed
 
     reqs = _mixed()
     want = DiffusionEngine(dirs["dit"]).generate_outputs(reqs)

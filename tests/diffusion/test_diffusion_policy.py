@@ -54,7 +54,7 @@ def test_best_degree_small_stays_large_spreads():
 
 
 def test_cost_model_round_trip_and_fit(tmp_path):
-    from batchgen.diffusion.calibrate import fit
+    from batchgen.diffusion.distributed.calibrate import fit
 
     COST.save(tmp_path / "c.json")
     assert CostModel.load(tmp_path / "c.json") == COST
@@ -146,7 +146,7 @@ def test_plan_migrates_to_balance_and_orders_forwards_alike_for_every_member():
 
 
 def test_fit_comm_recovers_the_degree_terms_over_a_degree_1_fit():
-    from batchgen.diffusion.calibrate import fit, fit_comm
+    from batchgen.diffusion.distributed.calibrate import fit, fit_comm
 
     truth = CostModel(fixed=2e-3, per_token=3e-6, per_attn=1e-8, per_comm_token=4e-6, comm_fixed=5e-3)
     ones = [(r * n, n, truth.step_time(r * n, n)) for r in (1, 4) for n in (16, 64, 256)]
@@ -256,7 +256,7 @@ def test_spread_plan_only_when_a_round_over_both_is_shorter():
 
 
 def test_forwards_past_the_efficient_batch_are_split_and_priced_so():
-    from batchgen.diffusion.calibrate import fit_cap
+    from batchgen.diffusion.distributed.calibrate import fit_cap
     from batchgen.policy.diffusion_step import split_forward
 
     capped = CostModel(fixed=1e-3, per_token=1e-5, per_attn=0.0, max_batch_tokens=256)

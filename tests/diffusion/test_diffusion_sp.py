@@ -38,7 +38,7 @@ def pipes(tmp_path_factory: pytest.TempPathFactory):
 def cluster():
     from distributed import Client, LocalCluster
 
-    from batchgen.diffusion.world import start_world
+    from batchgen.diffusion.distributed.world import start_world
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c, Client(c) as client:
         ranks = start_world(client)
@@ -48,7 +48,7 @@ def cluster():
 
 def _warm(path: str) -> bool:
     """A Dask task: this worker's engine for the pipeline, loaded."""
-    from batchgen.diffusion.on_worker import on_engine
+    from batchgen.diffusion.distributed.on_worker import on_engine
 
     return on_engine(path, {}, lambda engine: engine.pipe is not None)
 
@@ -63,7 +63,7 @@ def _finish(engine: DiffusionEngine, state: bytes) -> np.ndarray:
 
 @pytest.mark.parametrize("family", ["dit", "pixart"])
 def test_degree_1_2_and_switch_mid_trajectory_equal_degree_1(pipes, cluster, family):
-    from batchgen.diffusion.world import run_steps
+    from batchgen.diffusion.distributed.world import run_steps
 
     client, ranks = cluster
     a, b = sorted(ranks)
@@ -92,7 +92,7 @@ def test_degree_1_2_and_switch_mid_trajectory_equal_degree_1(pipes, cluster, fam
 def test_groups_form_without_communicators(cluster):
     """Group.of talks to nobody and a group of one member never touches the world; a forbidden
     new_group on the workers proves none was created."""
-    from batchgen.diffusion.groups import Group
+    from batchgen.diffusion.parallel.groups import Group
 
     g = Group.of([1, 0])
     assert g.ranks == (1, 0) and g.gid == Group.of((1, 0)).gid != Group.of((0, 1)).gid
@@ -133,7 +133,7 @@ def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, clus
     """run_on_cluster's elastic loop: a large image runs at degree 1 while the other worker has
     small ones queued, then spreads over both workers once they are done; images equal degree 1.
     The cost model is taken as given (adapt=False): measured times would replace it."""
-    from batchgen.diffusion.elastic import run_on_cluster
+    from batchgen.diffusion.distributed.elastic import run_on_cluster
     from batchgen.policy.diffusion_cost import CostModel
     from batchgen.policy.diffusion_plan import ElasticOptions
 
@@ -179,7 +179,7 @@ def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, clus
 
 
 def test_calibrate_cluster_fits_degree_terms_on_the_workers(pipes, cluster):
-    from batchgen.diffusion.calibrate import calibrate_cluster
+    from batchgen.diffusion.distributed.calibrate import calibrate_cluster
 
     client, _ = cluster
     cost = calibrate_cluster(client, str(pipes["dit"]), rows=(1, 2), latents=(8, 12), repeats=1)
@@ -194,7 +194,7 @@ def test_idle_worker_is_handed_a_trajectory_and_its_image_is_unchanged(pipes, cl
     """A worker whose only request fails at admission goes idle at once; the other holds two
     trajectories and hands it one at a step boundary (degree 1, no gloo): the migrated image
     equals the single engine's."""
-    from batchgen.diffusion.elastic import run_on_cluster
+    from batchgen.diffusion.distributed.elastic import run_on_cluster
     from batchgen.policy.diffusion_cost import CostModel
 
     client, _ = cluster
@@ -236,7 +236,7 @@ def test_elastic_driver_runs_on_the_runtime_engines_and_messages(pipes, cluster,
     import pandas as pd
 
     import batchgen
-    from batchgen.diffusion.elastic import run_on_cluster
+    from batchgen.diffusion.distributed.elastic import run_on_cluster
 
     client, _ = cluster
     path = str(pipes["dit"])
@@ -253,7 +253,7 @@ def test_elastic_driver_runs_on_the_runtime_engines_and_messages(pipes, cluster,
 
 
 def _break_stepping(fail: bool) -> None:
-    from batchgen.diffusion import elastic_loop
+    from batchgen.diffusion.distributed import elastic_loop
 
     if fail:
         elastic_loop.Loop._step_free_ok = elastic_loop.Loop.step_free
@@ -268,7 +268,7 @@ def _break_stepping(fail: bool) -> None:
 def test_a_failed_part_aborts_the_others_and_the_call_raises(pipes, cluster):
     """One worker's loop raises: the driver tells the other part (which would otherwise wait for
     results that never come), raises that error, and both engines serve the next job."""
-    from batchgen.diffusion.elastic import run_on_cluster
+    from batchgen.diffusion.distributed.elastic import run_on_cluster
 
     client, _ = cluster
     path = str(pipes["dit"])

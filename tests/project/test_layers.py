@@ -39,7 +39,8 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 # Pure policies: state in, decisions out (shared by runtime, plugin and simulator)
 POLICIES = ("batchgen.policy.balance", "batchgen.policy.speed", "batchgen.runtime.policy",
-            "batchgen.runtime.prefix_order", "batchgen.policy.expert_eviction", "batchgen.policy.diffusion_step",
+            "batchgen.runtime.prefix_order", "batchgen.runtime.length_order", "batchgen.policy.length_prediction",
+            "batchgen.policy.expert_eviction", "batchgen.policy.diffusion_step",
             "batchgen.policy.diffusion_plan", "batchgen.policy.diffusion_steal", "batchgen.policy.diffusion_cost",
             "batchgen.sim.policies")
 
@@ -124,6 +125,29 @@ def test_imports_point_down_the_layers() -> None:
     upward = [f"{name} (layer {_layer(name)}) imports {dep} (layer {_layer(dep)})"
               for name, deps in _edges().items() if name != FRONT
               for dep in deps if dep != FRONT and _layer(dep) > _layer(name)]
+    assert upward == []
+
+
+# the diffusion wing's sub-layers, bottom up: the models and the collectives know nothing of
+# requests, the engine nothing of Dask, the Dask side nothing of the front ends
+DIFFUSION_LAYERS = {"batchgen.diffusion.models": 0, "batchgen.diffusion.parallel": 0,
+                    "batchgen.diffusion.engine": 1, "batchgen.diffusion.distributed": 2,
+                    "batchgen.diffusion.jobs": 3}
+
+
+def _diffusion_layer(name: str) -> int | None:
+    return next((layer for prefix, layer in DIFFUSION_LAYERS.items()
+                 if name == prefix or name.startswith(prefix + ".")), None)
+
+
+def test_every_diffusion_module_sits_in_a_sub_layer() -> None:
+    loose = [name for name in MODULES if name.startswith("batchgen.diffusion.") and _diffusion_layer(name) is None]
+    assert loose == []
+
+
+def test_diffusion_imports_point_down_its_sub_layers() -> None:
+    upward = [f"{name} imports {dep}" for name, deps in _edges().items() if _diffusion_layer(name) is not None
+              for dep in deps if (_diffusion_layer(dep) or 0) > _diffusion_layer(name)]
     assert upward == []
 
 

@@ -31,14 +31,14 @@ import pickle
 import time
 from typing import Any
 
-from ..policy.diffusion_plan import ClusterState, Measured, Placed, plan_round
-from ..policy.diffusion_step import pack_forwards, split_forward
+from ...policy.diffusion_plan import ClusterState, Measured, Placed, plan_round
+from ...policy.diffusion_step import pack_forwards, split_forward
 
 
 def sync_phase(w: Any, members: tuple[int, ...], salt: str) -> None:
     """Run rounds among `members` (w: this worker's elastic_loop.Loop) until the phase ends."""
-    from .groups import Group, all_gather_bytes, send_recv_bytes
-    from .sp import UlyssesShard
+    from ..parallel.groups import Group, all_gather_bytes, send_recv_bytes
+    from ..parallel.sp import UlyssesShard
 
     engine, me, options = w.engine, w.me, w.options
     group = Group.of(members, salt=salt)

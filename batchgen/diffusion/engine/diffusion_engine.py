@@ -17,23 +17,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine.protocol import LoadReport
-from ..errors import RequestError, StateError
-from ..malloc import restore_heap_reuse as _restore_heap_reuse
-from ..policy.diffusion_cost import CostModel
-from ..policy.diffusion_step import TrajView, check_policy, pack_forwards, plan_step
-from . import schedulers
+from ...engine.protocol import LoadReport
+from ...errors import RequestError, StateError
+from ...malloc import restore_heap_reuse as _restore_heap_reuse
+from ...policy.diffusion_cost import CostModel
+from ...policy.diffusion_step import TrajView, check_policy, pack_forwards, plan_step
+from ..models import schedulers
+from ..models.condition import encode_prompts
+from ..models.decode import decode, to_pil
+from ..models.pipeline import load_pipeline
 from .admission import IMAGE_TOKENS_OVER_NATIVE, request_error
-from .condition import encode_prompts
-from .decode import decode, to_pil
 from .denoise import Live, new_scheduler, resumed, start, step_group, step_groups
 from .output import ImageOutput
-from .pipeline import load_pipeline
 from .request import ImageRequest
 from .trajectory import Status, Trajectory, from_bytes, to_bytes
 
 if TYPE_CHECKING:
-    from .sp import UlyssesShard
+    from ..parallel.sp import UlyssesShard
 
 
 class DiffusionEngine:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelLoadError, UnsupportedModelError
+from ...errors import ModelLoadError, UnsupportedModelError
 from .encoder_weights import load_encoder_weights
 
 _ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..io.openai_batch import count_lines, read_lines
-from ..io.request import NO_VALUE, Request, RowKey
-from ..io.source import Source
-from .request import ImageRequest
+from ...io.openai_batch import count_lines, read_lines
+from ...io.request import NO_VALUE, Request, RowKey
+from ...io.source import Source
+from ..engine.request import ImageRequest
 
 URL = "/v1/images/generations"
 BODY_FIELDS = {"prompt", "class_label", "size", "n", "seed", "num_inference_steps", "guidance_scale",

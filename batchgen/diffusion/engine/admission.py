@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .condition import prompt_error
+from ..models.condition import prompt_error
 from .request import ImageRequest
 
 # Default cap on one request's image tokens, as a multiple of the model's native size (16: four

@@ -11,7 +11,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from .groups import Group, init_world
+from ..parallel.groups import Group, init_world
 
 
 def start_world(client: Any) -> dict[str, int]:
@@ -60,8 +60,8 @@ def sp_steps(model: str, state: bytes, ranks: tuple[int, ...], steps: int,
     engine for the model)."""
     import torch.distributed as dist
 
+    from ..parallel.sp import UlyssesShard
     from .on_worker import on_engine
-    from .sp import UlyssesShard
 
     group = Group.of(ranks)
 

@@ -17,25 +17,6 @@ import torch
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
-    from .trajectory import Trajectory
-
-
-def mmdit_cond(pipe: Pipeline, trajs: list[Trajectory], guided: list[int],
-               uncond: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """Rows as group_inputs orders them (every trajectory, then the unconditional rows of the
-    guided ones) -> {"embeds": [B, L, D], "pooled": [B, P]} (+ Flux-dev's "guidance": [B])."""
-    embeds = [t.cond["embeds"] for t in trajs]
-    pooled = [t.cond["pooled"] for t in trajs]
-    if guided:
-        assert uncond is not None
-        embeds += [uncond["embeds"]] * len(guided)
-        pooled += [uncond["pooled"]] * len(guided)
-    cond = {"embeds": torch.stack(embeds), "pooled": torch.stack(pooled)}
-    if pipe.guidance_embeds:
-        # FluxPipeline: torch.full([1], guidance_scale, dtype=float32), one value per row here
-        cond["guidance"] = torch.tensor([pipe.guidance(t.request.guidance_scale) for t in trajs],
-                                        dtype=torch.float32, device=embeds[0].device)
-    return cond
 
 
 def timing_cond(pipe: Pipeline, rows: int) -> dict[str, torch.Tensor]:

@@ -35,11 +35,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..policy.diffusion_cost import CostModel
-from ..policy.diffusion_plan import ElasticOptions, Measured
-from ..policy.diffusion_step import TrajView, pack_forwards, plan_step
-from .output import ImageResult, png_bytes
-from .request import ImageRequest
+from ...policy.diffusion_cost import CostModel
+from ...policy.diffusion_plan import ElasticOptions, Measured
+from ...policy.diffusion_step import TrajView, pack_forwards, plan_step
+from ..engine.output import ImageResult, png_bytes
+from ..engine.request import ImageRequest
 
 _RECENT = 32   # forward samples a worker keeps for the cost model's correction
 POLL_S = 0.05  # a thief that every other part refused waits this long before asking again
@@ -362,7 +362,7 @@ class _Part:
         self.answer(thief)
 
     def answer(self, thief: int) -> None:
-        from ..policy.diffusion_steal import handover, spread_plan
+        from ...policy.diffusion_steal import handover, spread_plan
 
         w = self.w
         owned = frozenset(w.held), len(w.pending)

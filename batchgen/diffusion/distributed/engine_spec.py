@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..cluster.spec import EngineSpec
+from ...cluster.spec import EngineSpec
 
-IMAGE_ENGINE = "batchgen.diffusion.engine:DiffusionEngine"
+IMAGE_ENGINE = "batchgen.diffusion.engine.diffusion_engine:DiffusionEngine"
 # DiffusionEngine's keyword arguments (tests/diffusion keep the two equal): named here so that a
 # client checks engine_options without importing torch and diffusers
 ENGINE_OPTIONS = frozenset({"dtype", "device", "policy", "max_batch_rows", "max_batch_tokens",

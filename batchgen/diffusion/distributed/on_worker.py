@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .engine_spec import image_spec
 
 if TYPE_CHECKING:
-    from ..cluster.worker import WorkerSide
-    from .engine import DiffusionEngine
+    from ...cluster.worker import WorkerSide
+    from ..engine.diffusion_engine import DiffusionEngine
 
 T = TypeVar("T")
 
@@ -24,7 +24,7 @@ def this_side() -> WorkerSide:
     """This Dask worker's batchgen side (its engines and mailboxes), installed on first use."""
     from distributed import get_worker
 
-    from ..cluster.worker import ensure_side
+    from ...cluster.worker import ensure_side
 
     return ensure_side(get_worker())
 
@@ -32,7 +32,7 @@ def this_side() -> WorkerSide:
 def install_side(dask_worker: Any) -> bool:
     """`Client.run` target: install the batchgen side (handlers included) before any part of a
     job may send to this worker."""
-    from ..cluster.worker import ensure_side
+    from ...cluster.worker import ensure_side
 
     ensure_side(dask_worker)
     return True

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import UnsupportedModelError
+from ...errors import UnsupportedModelError
 
 # deterministic: the image depends on the initial noise only.
 DETERMINISTIC = ("DDIMScheduler", "DPMSolverMultistepScheduler", "EulerDiscreteScheduler",

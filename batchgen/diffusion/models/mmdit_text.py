@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedModelError
+from ...errors import UnsupportedModelError
 from .clip import CLIPTextEncoder, CLIPTokens
 from .t5 import T5Encoder, T5Tokens
 

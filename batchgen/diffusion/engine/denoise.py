@@ -12,15 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import ddim_batch, flow_batch, schedulers
-from .forward import predict
-from .mmdit import mmdit_cond
-from .packed import predict_packed
-from .pipeline import MMDIT
+from ..models import ddim_batch, flow_batch, schedulers
+from ..models.forward import predict
+from ..models.packed import predict_packed
+from ..models.pipeline import MMDIT
 
 if TYPE_CHECKING:
-    from .pipeline import Pipeline
-    from .sp import UlyssesShard
+    from ..models.pipeline import Pipeline
+    from ..parallel.sp import UlyssesShard
     from .trajectory import Trajectory
 
 
@@ -82,7 +81,7 @@ def group_inputs(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], unco
     x = torch.cat(xs + [xs[i] for i in guided])
     t = torch.stack(ts + [ts[i] for i in guided])
     if pipe.family in MMDIT:
-        return x, t, mmdit_cond(pipe, trajs, guided, uncond)
+        return x, t, _mmdit_cond(pipe, trajs, guided, uncond)
     if pipe.family == "dit":
         labels = [traj.cond["class_label"] for traj in trajs] + [pipe.null_class] * len(guided)
         return x, t, {"class_labels": torch.tensor(labels, device=x.device)}
@@ -177,3 +176,21 @@ def step_groups(pipe: Pipeline, groups: list[tuple[list[Trajectory], list[Live]]
     inputs = [group_inputs(pipe, trajs, live, uncond) for trajs, live in groups]
     for (trajs, live), out in zip(groups, predict_packed(pipe, inputs)):
         apply_output(pipe, trajs, live, out)
+
+
+def _mmdit_cond(pipe: Pipeline, trajs: list[Trajectory], guided: list[int],
+               uncond: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Rows as group_inputs orders them (every trajectory, then the unconditional rows of the
+    guided ones) -> {"embeds": [B, L, D], "pooled": [B, P]} (+ Flux-dev's "guidance": [B])."""
+    embeds = [t.cond["embeds"] for t in trajs]
+    pooled = [t.cond["pooled"] for t in trajs]
+    if guided:
+        assert uncond is not None
+        embeds += [uncond["embeds"]] * len(guided)
+        pooled += [uncond["pooled"]] * len(guided)
+    cond = {"embeds": torch.stack(embeds), "pooled": torch.stack(pooled)}
+    if pipe.guidance_embeds:
+        # FluxPipeline: torch.full([1], guidance_scale, dtype=float32), one value per row here
+        cond["guidance"] = torch.tensor([pipe.guidance(t.request.guidance_scale) for t in trajs],
+                                        dtype=torch.float32, device=embeds[0].device)
+    return cond

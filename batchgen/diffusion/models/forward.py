@@ -19,15 +19,15 @@ from .packed import predict_packed
 from .pipeline import MMDIT
 
 if TYPE_CHECKING:
+    from ..parallel.sp import UlyssesShard
     from .pipeline import Pipeline
-    from .sp import UlyssesShard
 
 
 def predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor],
             sp: UlyssesShard | None = None) -> torch.Tensor:
     """x: [B, C, h, w], t: [B] -> model output [B, C_out, h, w]. cond: DiT {"class_labels": [B]};
     PixArt {"embeds": [B, L, Dc], "mask": [B, L]} (+ "resolution" [B, 2], "aspect_ratio" [B, 1]);
-    SD3 / Flux: mmdit.mmdit_cond's (no sequence parallelism: their attention is diffusers')."""
+    SD3 / Flux: the rows the engine builds in engine/denoise.py (no sequence parallelism: their attention is diffusers')."""
     if pipe.family in MMDIT:
         if sp is not None:
             raise ValueError(f"sequence-parallel forwards are not implemented for {pipe.pipeline_class}")

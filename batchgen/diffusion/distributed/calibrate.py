@@ -1,6 +1,6 @@
 """Fit the step-time CostModel on this machine by timing real forwards of a pipeline.
 
-    python -m batchgen.diffusion.calibrate PIPELINE_DIR [--workers 2] [--out cost.json]
+    python -m batchgen.diffusion.distributed.calibrate PIPELINE_DIR [--workers 2] [--out cost.json]
 
 Times predict() for rows x image sizes (best of 3 each) and fits fixed, per_token and per_attn
 by non-negative least squares (degree 1), on the batches up to the largest one that still runs
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..policy.diffusion_cost import CostModel
+from ...policy.diffusion_cost import CostModel
 
 
 def time_forward(pipe, rows: int, latent: int, repeats: int = 3, sp=None, warm: bool = True) -> float:  # noqa: ANN001
@@ -30,9 +30,9 @@ def time_forward(pipe, rows: int, latent: int, repeats: int = 3, sp=None, warm: 
     UlyssesShard, every member calls this); warm: one untimed forward first."""
     import torch
 
-    from .forward import predict
-    from .mmdit import timing_cond
-    from .pipeline import MMDIT
+    from ..models.forward import predict
+    from ..models.mmdit import timing_cond
+    from ..models.pipeline import MMDIT
 
     x = torch.randn(rows, pipe.latent_channels, latent, latent)
     t = torch.full((rows,), 500, dtype=torch.long)
@@ -125,9 +125,9 @@ def _time_on_worker(model: str, engine_options: dict, ranks: tuple[int, ...], ro
                     warm: bool, salt: str) -> float:
     """A Dask task on each member of `ranks` (one member: degree 1, no collectives), timed on
     that worker's engine for the model."""
-    from .groups import Group
+    from ..parallel.groups import Group
+    from ..parallel.sp import UlyssesShard
     from .on_worker import on_engine
-    from .sp import UlyssesShard
 
     sp = UlyssesShard(Group.of(ranks, salt=salt)) if len(ranks) > 1 else None
     return on_engine(model, engine_options, lambda engine: time_forward(engine.pipe, rows, latent, 1, sp, warm))
@@ -180,7 +180,7 @@ def calibrate_cluster(client, model: str, rows: Sequence[int] = (1, 4, 8, 16), l
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m batchgen.diffusion.calibrate")
+    ap = argparse.ArgumentParser(prog="python -m batchgen.diffusion.distributed.calibrate")
     ap.add_argument("model")
     ap.add_argument("--workers", type=int, default=1, help="> 1: also fit the degree terms on a LocalCluster")
     ap.add_argument("--out")
@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as cluster, Client(cluster) as client:
             model = calibrate_cluster(client, args.model)
     else:
-        from .pipeline import load_pipeline
+        from ..models.pipeline import load_pipeline
 
         model = calibrate(load_pipeline(args.model))
     print(model)

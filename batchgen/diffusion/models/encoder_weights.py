@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..errors import ModelLoadError
+from ...errors import ModelLoadError
 
 
 def load_encoder_weights(path: Path, what: str, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:

@@ -20,17 +20,17 @@ from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from ..io.backend import Work
-from ..io.job import JobSummary, run_reader
-from ..io.spec import Formats, JobSpec
-from ..progress import Mode
-from .engine import DiffusionEngine, ImageOutput
+from ...io.backend import Work
+from ...io.job import JobSummary, run_reader
+from ...io.spec import Formats, JobSpec
+from ...progress import Mode
+from ..engine.diffusion_engine import DiffusionEngine, ImageOutput
+from ..engine.request import ImageRequest
 from .images_lines import ImagesReader, LineResult
 from .images_sink import ImagesJsonlSink, ImagesParquetSink
-from .request import ImageRequest
 
 if TYPE_CHECKING:
-    from ..io.dask_backend import DaskBackend
+    from ...io.dask_backend import DaskBackend
 
 # PNGs are written beside the output, so an image job's files are local
 IMAGE_FORMATS = Formats(inputs=(".jsonl",), outputs=(".jsonl", ".parquet"), job="an image job", datasets=False,

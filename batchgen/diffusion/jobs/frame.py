@@ -16,12 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..cluster.frame import is_meta_partition
-from ..cluster.generate import run_requests
-from ..cluster.prestart import prestart
-from ..io.cells import plain, whole_floats_to_int
-from .engine_spec import image_spec
-from .request import ImageRequest
+from ...cluster.frame import is_meta_partition
+from ...cluster.generate import run_requests
+from ...cluster.prestart import prestart
+from ...io.cells import plain, whole_floats_to_int
+from ..distributed.engine_spec import image_spec
+from ..engine.request import ImageRequest
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -16,10 +16,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..io.jsonl_sink import JsonlSink
-from ..io.openai_batch import response_record, row_key
-from ..io.parquet_sink import ParquetSink
-from ..io.request import Request, RowKey
+from ...io.jsonl_sink import JsonlSink
+from ...io.openai_batch import response_record, row_key
+from ...io.parquet_sink import ParquetSink
+from ...io.request import Request, RowKey
 from .images_lines import ImageRow, LineResult
 
 IMAGE_COLUMNS = pa.schema([

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelLoadError, UnsupportedModelError
+from ...errors import ModelLoadError, UnsupportedModelError
 from .encoder_weights import load_encoder_weights
 
 _ACTIVATIONS = {"relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

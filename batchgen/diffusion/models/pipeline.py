@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelLoadError, UnsupportedModelError
+from ...errors import ModelLoadError, UnsupportedModelError
 from .schedulers import FLOW, Timing, calculate_shift, check_scheduler, make_scheduler
 
 # pipeline class -> (family, components it must have)

@@ -11,7 +11,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import StateError
+from ...errors import StateError
 from .request import ImageRequest
 
 STATE_VERSION = 2  # 2: cfg_scale travels (a family's default guidance resolved at admission)
