@@ -90,7 +90,10 @@ class EngineConfig:
     # hash of their tokens and all before them, so rows sharing an instruction compute it once.
     enable_prefix_caching: bool = True
     # With prefix caching: "prefix" admits waiting rows grouped by shared prefix (epochs sorted by
-    # block hashes, runtime/prefix_order.py); "fifo" admits them in arrival order.
+    # block hashes, runtime/prefix_order.py); "fifo" admits them in arrival order. "length" (opt-in):
+    # the rows predicted longest first, from the lengths of the rows that finished on this engine
+    # (by prompt-length bucket; runtime/length_order.py), "prefix"'s order until that predicts
+    # better than the mean of all rows.
     admission_order: str = "prefix"
     # CUDA: decode steps replay CUDA graphs captured per batch-size bucket (runtime/cuda_graphs.py);
     # True runs every step eagerly (vLLM's flag). No effect on CPU.
@@ -112,8 +115,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"EngineConfig.enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        if self.admission_order not in ("prefix", "fifo"):
-            raise ValueError(f"EngineConfig.admission_order must be 'prefix' or 'fifo', got {self.admission_order!r}")
+        if self.admission_order not in ("prefix", "fifo", "length"):
+            raise ValueError("EngineConfig.admission_order must be 'prefix', 'fifo' or 'length', "
+                             f"got {self.admission_order!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "attention_kv_tokens", "expert_memory_bytes",

@@ -9,13 +9,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..policy.length_prediction import LengthPredictor
 from .kv_cache import BlockAllocator
+from .length_order import GroupOf, LengthOrderedQueue, no_group, row_key
 from .prefix_cache import PrefixCache
 from .prefix_order import PrefixOrderedQueue
 from .sequence import SeqStatus, Sequence
 
 Eviction = Literal["newest", "fewest_computed", "most_remaining"]
-Admission = Literal["prefix", "fifo"]
+Admission = Literal["prefix", "fifo", "length"]
 # Admissions one step may put off while their prefix is being computed; past it, admission waits.
 MAX_DEFERRED = 256
 
@@ -28,7 +30,9 @@ class SchedulerConfig:
     # recompute; most_remaining: the one that would hold its blocks longest
     eviction: Eviction = "newest"
     # with a prefix cache: "prefix" admits waiting rows grouped by shared prefix (prefix_order.py),
-    # "fifo" in arrival order; without one, always arrival order
+    # "fifo" in arrival order; without one, arrival order. "length": the rows predicted longest
+    # first, learned from the rows that finish here (length_order.py; until the predictions beat
+    # the pooled mean, the order "prefix" would give: prefix order with a cache, else arrival)
     admission: Admission = "prefix"
     # Share of the pool an admission leaves free (vLLM's `watermark`): a row admitted into the
     # last free blocks is evicted again by the running rows' next blocks, and re-admitted, and
@@ -43,7 +47,7 @@ class SchedulerConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.eviction not in ("newest", "fewest_computed", "most_remaining"):
             raise ValueError(f"unknown eviction policy {self.eviction!r}")
-        if self.admission not in ("prefix", "fifo"):
+        if self.admission not in ("prefix", "fifo", "length"):
             raise ValueError(f"unknown admission order {self.admission!r}")
 
 
@@ -94,11 +98,18 @@ def pick_victim(candidates: list[Sequence], eviction: Eviction) -> Sequence:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator,
-                 prefix_cache: PrefixCache | None = None) -> None:
-        """prefix_cache: reuse cached full blocks at admission (None: every row computes all)."""
+                 prefix_cache: PrefixCache | None = None, group_of: GroupOf = no_group) -> None:
+        """prefix_cache: reuse cached full blocks at admission (None: every row computes all).
+        group_of: a row's group for length-aware admission (None: its prompt-length bucket)."""
         self.config, self.allocator, self.cache = config, allocator, prefix_cache
-        self.waiting: deque[Sequence] | PrefixOrderedQueue = deque()
-        if prefix_cache is not None and config.admission == "prefix":
+        self.group_of = group_of
+        self.lengths: LengthPredictor | None = None  # learns from finished rows ("length" admission)
+        self.waiting: deque[Sequence] | PrefixOrderedQueue | LengthOrderedQueue = deque()
+        if config.admission == "length":  # today's order (prefix with a cache) until predictions are used
+            self.lengths = LengthPredictor()
+            today = PrefixOrderedQueue(prefix_cache.sort_key) if prefix_cache is not None else None
+            self.waiting = LengthOrderedQueue(self.lengths, group_of, today)
+        elif prefix_cache is not None and config.admission == "prefix":
             self.waiting = PrefixOrderedQueue(prefix_cache.sort_key)
         self.running: list[Sequence] = []
 
@@ -118,6 +129,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if self.cache is not None:
             self.cache.register(seq)
+        if self.lengths is not None and seq.is_finished and seq.finish_reason in ("stop", "length"):
+            self.lengths.observe(row_key(seq, self.group_of), len(seq.output_ids))
         self.allocator.free(seq.drop_kv())
 
     def evict(self, seq: Sequence, reason: str) -> Evicted:
