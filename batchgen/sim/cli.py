@@ -62,6 +62,17 @@ def _worker_list(text: str) -> list[int]:
     return values
 
 
+POLICY_NAMES = ("static", "dynamic", "batchgen", "length-aware")  # sim/policies.POLICIES' keys
+
+
+def _policy_list(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [n for n in names if n not in POLICY_NAMES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected policies of {', '.join(POLICY_NAMES)}, got {text!r}")
+    return names
+
+
 def add_commands(sub: Any) -> None:
     plan = sub.add_parser(
         "plan", help="simulate a batch job on a fleet: completion time per policy (simulated)",
@@ -79,9 +90,15 @@ def add_commands(sub: Any) -> None:
     plan.add_argument("--lengths", type=_lengths_path, metavar="FILE|URL", help="Parquet/CSV/JSONL (a path or an "
                       "fsspec URL: s3://, gs://, http(s)://, ...) with prompt_tokens and "
                       "output_tokens columns (optional max_tokens), or an OpenAI batch file (needs --model DIR)")
-    plan.add_argument("--workload", default="reasoning", choices=["reasoning", "summarization", "classification", "chat", "mixed"],
+    plan.add_argument("--workload", default="reasoning",
+                      choices=["reasoning", "summarization", "classification", "chat", "mixed", "mislead"],
                       help="synthetic length model (default: reasoning); mixed: reasoning, chat and "
-                      "classification rows from one file")
+                      "classification rows from one file, each naming its source; mislead: two sources whose "
+                      "first finished rows mislead a length predictor")
+    plan.add_argument("--policies", type=_policy_list, default=("static", "dynamic", "batchgen"), metavar="LIST",
+                      help="policies to simulate, of static, dynamic, batchgen, length-aware (default: "
+                      "static,dynamic,batchgen); length-aware: batchgen with the engines admitting the rows "
+                      "predicted longest first (EngineConfig admission_order='length')")
     plan.add_argument("--order", default=None, choices=["random", "sorted", "grouped"],
                       help="row order of the synthetic workload (default random; a --lengths file keeps its "
                       "own order); sorted: longest outputs last; grouped: "
@@ -172,6 +189,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     from .cluster import ClusterSimConfig
     from .engine import EngineSimConfig
     from .planner import failed_rows_warning, format_report, run_plan
+    from .policies import POLICIES
     from .profiles import FittedProfile
 
     if args.workers is None and not args.sweep_workers:
@@ -194,7 +212,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if args.processes is not None and args.processes < 1:
         raise PlanError(f"--processes must be >= 1, got {args.processes}")
     processes = args.processes or ((os.cpu_count() or 1) if workload.rows >= PARALLEL_ROWS else 1)
-    reports = [run_plan(workload, cost, engine, ClusterSimConfig(w, processes=processes),
+    policies = tuple(POLICIES[name] for name in args.policies)
+    reports = [run_plan(workload, cost, engine, ClusterSimConfig(w, processes=processes), policies,
                         keep_timelines=bool(args.png) and i == 0) for i, w in enumerate(counts)]
     if args.png:
         from .chart import draw_utilization

@@ -13,7 +13,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -80,12 +80,25 @@ def simulate(workload: Workload, cost: CostModel, engine: EngineSimConfig, polic
 def simulate_all(workload: Workload, cost: CostModel, engine: EngineSimConfig, policies: tuple[Policy, ...],
                  cluster: ClusterSimConfig, keep_timelines: bool = False) -> tuple[SimResult, ...]:
     """simulate() of each policy; with cluster.processes > 1 all at once, over that many
-    processes (parallel.py: the same results)."""
+    processes (parallel.py: the same results). A batchgen variant with its own admission order
+    (length-aware) runs in a pass of its own, its engines configured so."""
     for policy in policies:
         if not isinstance(policy, (Static, Dynamic, BatchGen)):
             raise PlanError(f"unknown policy {policy!r}")
-    if len({type(p) for p in policies}) < len(policies):
-        raise PlanError("simulate each policy kind once")
+    if len({p.name for p in policies}) < len(policies):
+        raise PlanError("simulate each policy once")
+    variants = [p for p in policies if isinstance(p, BatchGen) and p.admission != engine.admission]
+    if variants or len({type(p) for p in policies}) < len(policies):
+        rest = tuple(p for p in policies if p not in variants)
+        kinds = {type(p) for p in rest}
+        if len(kinds) < len(rest):
+            raise PlanError("simulate each policy kind once (besides batchgen variants)")
+        done = {r.policy: r for r in (simulate_all(workload, cost, engine, rest, cluster, keep_timelines)
+                                      if rest else ())}
+        for p in variants:
+            done[p.name] = simulate_all(workload, cost, replace(engine, admission=p.admission), (p,), cluster,
+                                        keep_timelines)[0]
+        return tuple(done[p.name] for p in policies)
     if cluster.processes < 2 or cluster.workers < 2:
         return tuple(_simulate_here(workload, cost, engine, p, cluster, keep_timelines) for p in policies)
     t0 = time.perf_counter()

@@ -38,14 +38,14 @@ import numpy as np
 from ..errors import PlanError
 from ..policy.balance import MAX_REPORTED, EngineLoad
 from ..policy.speed import SpeedMeter
-from ..runtime.policy import Eviction, Plan, Scheduler, SchedulerConfig, prefer_transfer
+from ..runtime.policy import Admission, Eviction, Plan, Scheduler, SchedulerConfig, prefer_transfer
 from ..runtime.sequence import SeqStatus, Sequence
 from .blocks import BlockCounter
 from .cost import CostModel, recompute_tokens_per_s
 from .reports import ReportedMovable, running_rows
-from .seqs import SimRequest
+from .seqs import SimRequest, row_group
 from .slices import DecodeSlice
-from .waiting import WaitingQueue
+from .waiting import LengthWaitingQueue, WaitingQueue
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,9 @@ class EngineSimConfig:
     reserve_fraction: float = 0.05
     exact: bool = False  # end a slice at each finishing row (every decision exactly as the runtime)
     migration_latency_s: float = 0.05  # suspend at a yield point + RPC, besides the KV bytes
+    # the runtime's admission order: "fifo" (arrival; the engine's without a prefix cache) or
+    # "length" (length-aware: the rows predicted longest first, runtime/length_order.py)
+    admission: Admission = "fifo"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "quantum_steps"):
@@ -76,7 +79,7 @@ class EngineSimConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         try:
-            return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.eviction)
+            return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.eviction, self.admission)
         except ValueError as exc:
             raise PlanError(str(exc)) from exc
 
@@ -104,8 +107,11 @@ class SimEngine:
         self.name, self.cost, self.config = name, cost, config
         self.device = device or f"simulated {type(cost).__name__}"
         self.allocator = BlockCounter(num_blocks, config.block_size)
-        self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
-        self.waiting = self.scheduler.waiting = WaitingQueue()
+        self.scheduler = Scheduler(config.scheduler_config(), self.allocator, group_of=row_group)
+        lengths = self.scheduler.lengths
+        self.waiting: WaitingQueue | LengthWaitingQueue = WaitingQueue() if lengths is None else \
+            LengthWaitingQueue(lengths, row_group)
+        self.scheduler.waiting = self.waiting
         self.now = 0.0
         self.generated = 0
         self.busy_s = 0.0

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 def rows_as_sequences(workload: Workload, rows: np.ndarray) -> list[Sequence]:
     # plain ints first (indexing numpy arrays row by row makes numpy scalars: slower)
     p, o, m = (a[rows].tolist() for a in (workload.prompt_len, workload.output_len, workload.max_tokens))
-    return list(map(make_sequence, rows.tolist(), p, m, o))
+    if workload.group is None:
+        return list(map(make_sequence, rows.tolist(), p, m, o))
+    return list(map(make_sequence, rows.tolist(), p, m, o, workload.group[rows].tolist()))
 
 
 def partitioned_engines(names: list[str], parts: list[np.ndarray], workload: Workload, cost: CostModel,

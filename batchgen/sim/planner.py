@@ -113,18 +113,22 @@ def run_plan(workload: Workload, cost: CostModel, engine: EngineSimConfig, clust
 
 
 def format_report(report: PlanReport, title: str) -> str:
-    lines = [f"{title}  [simulated]", f"{'policy':10} {'BCT':>12} {'GPU-hours':>10} {'utilization':>12} {'moved':>8}"]
+    lines = [f"{title}  [simulated]", f"{'policy':12} {'BCT':>12} {'GPU-hours':>10} {'utilization':>12} {'moved':>8}"]
     for r in report.results:
-        lines.append(f"{r.policy:10} {_duration(r.bct_s):>12} {r.gpu_hours:10.2f} {r.utilization:12.1%} "
+        lines.append(f"{r.policy:12} {_duration(r.bct_s):>12} {r.gpu_hours:10.2f} {r.utilization:12.1%} "
                      f"{r.migrated_coroutines:8d}")
     i = report.ideal
-    lines.append(f"{'ideal':10} {_duration(i.bct_s):>12} {report.workers * i.bct_s / 3600:10.2f}   "
+    lines.append(f"{'ideal':12} {_duration(i.bct_s):>12} {report.workers * i.bct_s / 3600:10.2f}   "
                  f"(work / workers {_duration(i.work_s)}, longest row alone {_duration(i.longest_row_s)})")
     names = {r.policy for r in report.results}
     if "batchgen" in names and report.by_name("batchgen").bct_s > 0 and i.bct_s > 0:
         b = report.by_name("batchgen").bct_s
         parts = [f"{report.by_name(n).bct_s / b:.2f}x over {n}" for n in ("static", "dynamic") if n in names]
         lines.append(f"batchgen speedup: {', '.join(parts) or '-'}; batchgen / ideal {b / i.bct_s:.3f}")
+    if "length-aware" in names and i.bct_s > 0:
+        la = report.by_name("length-aware").bct_s
+        against = f"; length-aware / batchgen {la / report.by_name('batchgen').bct_s:.3f}" if "batchgen" in names else ""
+        lines.append(f"length-aware / ideal {la / i.bct_s:.3f}{against}")
     warning = failed_rows_warning(report)
     if warning:
         lines.append(warning)

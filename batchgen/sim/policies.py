@@ -7,6 +7,8 @@
 - BatchGen: the rows are dealt as Static (one partition per worker), then every tick the real
             `plan_migrations` (policy/balance.py) reads each engine's load and orders splits of
             not-started coroutines and migrations of running ones, as the Dask plugin does.
+- length-aware: BatchGen whose engines admit the rows predicted longest first (the runtime's
+            `admission="length"`: runtime/length_order.py, policy/length_prediction.py).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..policy.balance import BalanceConfig
+from ..runtime.policy import Admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +41,17 @@ class Dynamic:
 class BatchGen:
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     name: str = "batchgen"
+    admission: Admission = "fifo"  # the engines' admission order (EngineSimConfig.admission)
+
+    def __post_init__(self) -> None:
+        if self.admission not in ("fifo", "length"):
+            raise PlanError(f"batchgen admission must be 'fifo' or 'length', got {self.admission!r}")
 
 
 Policy = Static | Dynamic | BatchGen
 DEFAULT_POLICIES: tuple[Policy, ...] = (Static(), Dynamic(), BatchGen())
+LENGTH_AWARE = BatchGen(admission="length", name="length-aware")
+POLICIES: dict[str, Policy] = {p.name: p for p in (*DEFAULT_POLICIES, LENGTH_AWARE)}
 
 
 def deal(occupancy: list[tuple[int, int]], batches: deque[np.ndarray], max_num_seqs: int) -> list[list[np.ndarray]]:

@@ -1,4 +1,4 @@
-"""The scheduler's waiting deque, indexed by remaining tokens, for fast load reports."""
+"""The scheduler's waiting queue, indexed by remaining tokens, for fast load reports."""
 from __future__ import annotations
 
 from collections import Counter, deque
@@ -6,11 +6,14 @@ from collections.abc import Iterable
 from itertools import islice
 
 from ..policy.balance import CoroutineInfo
+from ..policy.length_prediction import LengthPredictor
+from ..runtime.length_order import GroupOf, LengthOrderedQueue
 from ..runtime.sequence import Sequence
 
 
-class WaitingQueue(deque):  # type: ignore[type-arg]
-    """The scheduler's waiting deque, counting its rows by remaining tokens.
+class CountedRows:
+    """Mixin over a waiting queue (the scheduler's deque, or its length-ordered queue), counting
+    its rows by remaining tokens.
 
     A waiting row generates nothing and holds no KV, so what a load report says of it is fixed
     while it waits: each row's remaining tokens are taken once, when it joins, and the counts let
@@ -18,15 +21,12 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
     whole), with the same answer as sorting them all. A CoroutineInfo is made only for the rows
     a report first lists."""
 
-    def __init__(self, items: Iterable[Sequence] = ()) -> None:
-        super().__init__()
+    def _start_counts(self) -> None:
         self.counts: Counter[int] = Counter()
         self.info: dict[Sequence, int] = {}  # remaining tokens, as it joined
         self.reported = _Reported(self.info)  # a row's CoroutineInfo, made when a report first lists it
         self._top: tuple[int, list[CoroutineInfo]] | None = None  # the last report, until the queue changes
         self._remaining: int | None = None
-        for item in items:
-            self.append(item)
 
     def _add(self, seq: Sequence) -> None:
         self._top = self._remaining = None
@@ -34,20 +34,20 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
         self.counts[remaining] += 1
 
     def append(self, seq: Sequence) -> None:
-        super().append(seq)
+        super().append(seq)  # type: ignore[misc]
         self._add(seq)
 
     def appendleft(self, seq: Sequence) -> None:
-        super().appendleft(seq)
+        super().appendleft(seq)  # type: ignore[misc]
         self._add(seq)
 
     def popleft(self) -> Sequence:
-        seq = super().popleft()
+        seq = super().popleft()  # type: ignore[misc]
         self._drop(seq)
         return seq
 
     def remove(self, seq: Sequence) -> None:
-        super().remove(seq)
+        super().remove(seq)  # type: ignore[misc]
         self._drop(seq)
 
     def _drop(self, seq: Sequence) -> None:
@@ -75,10 +75,10 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
 
     def _most_remaining(self, limit: int) -> list[CoroutineInfo]:
         info, reported = self.info, self.reported
-        if len(self) <= limit:
-            picked = sorted(self, key=info.__getitem__, reverse=True)
+        if len(self) <= limit:  # type: ignore[arg-type]
+            picked = sorted(self, key=info.__getitem__, reverse=True)  # type: ignore[call-overload]
         elif len(self.counts) == 1:  # all alike (a partition not started): queue order
-            return list(map(reported.__getitem__, islice(self, limit)))
+            return list(map(reported.__getitem__, islice(self, limit)))  # type: ignore[call-overload]
         else:
             keep, threshold = 0, 0
             for key in sorted(self.counts, reverse=True):
@@ -90,7 +90,7 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
             picked = []
             ties = limit - above
             seen_above = 0
-            for seq in self:
+            for seq in self:  # type: ignore[attr-defined]
                 r = info[seq]
                 if r > threshold:
                     picked.append(seq)
@@ -102,6 +102,24 @@ class WaitingQueue(deque):  # type: ignore[type-arg]
                     break
             picked.sort(key=info.__getitem__, reverse=True)
         return list(map(reported.__getitem__, picked))
+
+
+class WaitingQueue(CountedRows, deque):  # type: ignore[type-arg]
+    """The scheduler's waiting deque (arrival order), counted."""
+
+    def __init__(self, items: Iterable[Sequence] = ()) -> None:
+        deque.__init__(self)
+        self._start_counts()
+        for item in items:
+            self.append(item)
+
+
+class LengthWaitingQueue(CountedRows, LengthOrderedQueue):
+    """The scheduler's length-ordered queue ("length" admission), counted."""
+
+    def __init__(self, predictor: LengthPredictor, group_of: GroupOf) -> None:
+        LengthOrderedQueue.__init__(self, predictor, group_of)
+        self._start_counts()
 
 
 class _Reported(dict):  # type: ignore[type-arg]

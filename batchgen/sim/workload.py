@@ -1,7 +1,10 @@
 """Workloads: each row's prompt length, true output length and max_tokens, as numpy arrays.
 
-The policies see only what the runtime sees (prompt and max_tokens); the true output length
-decides when the simulated row stops, as EOS would. Synthetic shapes follow what production
+The policies see only what the runtime sees (prompt, max_tokens and, where a workload has one,
+each row's group: the source or template a real file names in a column); the true output
+length decides when the simulated row stops, as EOS would. The single-source workloads draw
+prompt and output lengths independently with one max_tokens, so nothing known at admission
+predicts a row's length there; a mixture's rows carry their source as their group. Synthetic shapes follow what production
 traces show: reasoning outputs are heavy-tailed (log-t: most rows a few thousand tokens, a few
 at the tens-of-thousands cap), summarization reads long and writes little, classification is
 short both ways.
@@ -58,7 +61,12 @@ WORKLOADS: dict[str, WorkloadKind] = {
 MIXTURES: dict[str, tuple[tuple[str, float], ...]] = {
     "mixed": (("reasoning", 0.3), ("chat", 0.5), ("classification", 0.2)),
 }
-WORKLOAD_NAMES = (*WORKLOADS, *MIXTURES)
+# Adversarial for length prediction: two groups whose first finishers mislead. Group 0 is mostly
+# classification rows (they finish first and teach "group 0 is short") with 15% reasoning rows
+# at the 32,768-token cap among them; group 1 is chat rows. A predictor trusting group 0's early
+# mean starts its longest rows last.
+MISLEAD = "mislead"
+WORKLOAD_NAMES = (*WORKLOADS, *MIXTURES, MISLEAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +75,13 @@ class Workload:
     prompt_len: np.ndarray  # [rows] int64
     output_len: np.ndarray  # [rows] int64, >= 1
     max_tokens: np.ndarray  # [rows] int64, >= output_len
+    group: np.ndarray | None = None  # [rows] int64: each row's source/template; None: rows name none
 
     def __post_init__(self) -> None:
         n = len(self.prompt_len)
         if n == 0:
             raise PlanError(f"workload {self.name!r} has no rows")
-        if len(self.output_len) != n or len(self.max_tokens) != n:
+        if len(self.output_len) != n or len(self.max_tokens) != n or (self.group is not None and len(self.group) != n):
             raise PlanError(f"workload {self.name!r}: column lengths differ")
 
     @property
@@ -88,7 +97,8 @@ class Workload:
 
     def take(self, rows: slice | np.ndarray) -> Workload:
         """The rows a slice, index array or boolean mask picks, in that order."""
-        return Workload(self.name, self.prompt_len[rows], self.output_len[rows], self.max_tokens[rows])
+        return Workload(self.name, self.prompt_len[rows], self.output_len[rows], self.max_tokens[rows],
+                        None if self.group is None else self.group[rows])
 
 
 def synthetic(kind: str, rows: int, seed: int = 0, order: Order = "random") -> Workload:
@@ -104,6 +114,8 @@ def synthetic(kind: str, rows: int, seed: int = 0, order: Order = "random") -> W
     rng = np.random.default_rng(seed)
     if kind in MIXTURES:
         return _mixture(kind, rows, rng, order)
+    if kind == MISLEAD:
+        return _mislead(rows, rng, order)
     w = WORKLOADS[kind]
     prompt, output = w.prompt.draw(rng, rows), w.output.draw(rng, rows)
     if order == "sorted":
@@ -126,7 +138,21 @@ def _mixture(kind: str, rows: int, rng: np.random.Generator, order: Order) -> Wo
     else:
         idx = np.arange(rows)
     cap = max(max(WORKLOADS[name].max_tokens for name, _ in sources), int(output.max()))
-    return Workload(kind, prompt[idx], output[idx], np.full(rows, cap, dtype=np.int64))
+    group = np.repeat(np.arange(len(sources), dtype=np.int64), counts)
+    return Workload(kind, prompt[idx], output[idx], np.full(rows, cap, dtype=np.int64), group[idx])
+
+
+def _mislead(rows: int, rng: np.random.Generator, order: Order) -> Workload:
+    """MISLEAD's rows: half group 0 (85% classification, 15% at the reasoning cap), half chat."""
+    cls, chat, cap = WORKLOADS["classification"], WORKLOADS["chat"], WORKLOADS["reasoning"].max_tokens
+    half = rows // 2
+    prompt = np.concatenate([cls.prompt.draw(rng, half), chat.prompt.draw(rng, rows - half)])
+    output = np.concatenate([cls.output.draw(rng, half), chat.output.draw(rng, rows - half)])
+    output[:half][rng.random(half) < 0.15] = cap
+    group = np.repeat(np.array([0, 1], dtype=np.int64), [half, rows - half])
+    idx = rng.permutation(rows) if order == "random" else \
+        np.argsort(output, kind="stable") if order == "sorted" else np.arange(rows)
+    return Workload(MISLEAD, prompt[idx], output[idx], np.full(rows, cap, dtype=np.int64), group[idx])
 
 
 def _pick(columns: list[str], names: tuple[str, ...], path: Path) -> str:
@@ -161,7 +187,8 @@ def _checked(values: object, column: str, path: Path, low: int) -> np.ndarray:
 
 def from_table(path: Path) -> Workload:
     """Parquet, CSV or JSONL of prompt and output lengths (token counts), one row each; an
-    optional max_tokens column (else each row's output length is its max_tokens)."""
+    optional max_tokens column (else each row's output length is its max_tokens) and an optional
+    group column (a row's source or template)."""
     import pandas as pd
 
     suffix = path.suffix.lower()
@@ -186,7 +213,9 @@ def from_table(path: Path) -> Workload:
     if len(short):
         r = int(short[0])
         raise PlanError(f"--lengths {path}: row {r}: max_tokens {max_tokens[r]} is below output_tokens {output[r]}")
-    return Workload(path.stem, prompt, output, np.maximum(max_tokens, output))
+    # a group column (source, template): what length-aware admission learns per group
+    group = pd.factorize(df["group"])[0].astype(np.int64) if "group" in columns else None
+    return Workload(path.stem, prompt, output, np.maximum(max_tokens, output), group)
 
 
 def _is_openai_batch(path: Path) -> bool:
