@@ -9,6 +9,8 @@
     statement) in random order and grouped by source: --workload mixed --orders random,grouped.
 (3) --oracle: how near the ideal bound a policy that knew every row's length could come, in the
     fluid model of batchgen/sim/oblivious.py (longest first; the long rows on workers of their own).
+    --age: what a policy that sees only each running row's age could buy by moving old rows to
+    workers of their own (batchgen/sim/age_isolation.py, the same fluid model), over a grid.
 (2) How long `batchgen plan --rows 1000000 --workers 128 --json` takes on this machine (every
     policy; target: < 2 minutes); it prints the load average around the run, as other jobs share
     the cores.
@@ -18,6 +20,7 @@
     python benchmarks/bench_sim.py --million          # (2): every policy on 1M rows (--rows N: N rows)
     python benchmarks/bench_sim.py --rows 20000 --workers 32 --orders random   # quicker
     python benchmarks/bench_sim.py --oracle --workload mixed --orders random    # (3), ~5 min at 100k rows
+    python benchmarks/bench_sim.py --age --orders random                        # (3), ~2 min at 100k rows
 """
 from __future__ import annotations
 
@@ -26,12 +29,20 @@ import os
 import resource
 import time
 
+from batchgen.sim.age_isolation import age_isolated_bct
 from batchgen.sim.cluster import ClusterSimConfig
 from batchgen.sim.cost import build_cost
 from batchgen.sim.engine import EngineSimConfig
-from batchgen.sim.oblivious import isolated_bct, length_aware_bct, oblivious_bct, tail_bound, tail_need
+from batchgen.sim.oblivious import (
+    isolated_bct,
+    length_aware_bct,
+    oblivious_bct,
+    start_orders,
+    tail_bound,
+    tail_need,
+)
 from batchgen.sim.planner import format_report, ideal_bound, run_plan
-from batchgen.sim.policies import DEFAULT_POLICIES
+from batchgen.sim.policies import POLICIES
 from batchgen.sim.profiles import load_profile
 from batchgen.sim.shapes import load_shape
 from batchgen.sim.workload import synthetic
@@ -42,7 +53,7 @@ def fleet(rows: int, workers: int, profile: str, model: str, order: str, workloa
     cost = build_cost(load_profile(profile), load_shape(model))
     w = synthetic(workload, rows, seed=0, order=order)  # type: ignore[arg-type]
     t0, cpu0 = time.perf_counter(), time.process_time()
-    chosen = tuple(p for p in DEFAULT_POLICIES if p.name in policies)
+    chosen = tuple(POLICIES[name] for name in policies)
     report = run_plan(w, cost, EngineSimConfig(), ClusterSimConfig(workers, processes=os.cpu_count() or 1), chosen)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     fifo = oblivious_bct(w, cost, EngineSimConfig(), workers)
@@ -108,6 +119,29 @@ def oracle(rows: int, workers: int, profile: str, model: str, workload: str, ord
           f"{bound:.0f} s = {bound / ideal.bct_s:.3f} x the ideal bound (oblivious.tail_bound)")
 
 
+def age_isolation(rows: int, workers: int, profile: str, model: str, workload: str, order: str) -> None:
+    """Rows that reach min_age tokens moved to `isolated` workers of their own (at most max_batch a
+    worker, within their KV), both start orders the policies use; the best setting of the grid."""
+    cost = build_cost(load_profile(profile), load_shape(model))
+    w = synthetic(workload, rows, seed=0, order=order)  # type: ignore[arg-type]
+    engine = EngineSimConfig()
+    ideal = ideal_bound(w, cost, engine, workers).bct_s
+    blind = oblivious_bct(w, cost, engine, workers)
+    results = []
+    for min_age in (4096, 16384):
+        for max_batch in (2, 4, 8):
+            for isolated in sorted({max(1, workers // 32), max(1, workers // 16)}):
+                bct = min(age_isolated_bct(w, cost, engine, workers, min_age, isolated, max_batch, start)
+                          for start in start_orders(rows, workers))
+                results.append((bct, min_age, max_batch, isolated))
+                print(f"  min_age {min_age}, max_batch {max_batch}, {isolated} isolated workers: "
+                      f"{bct / ideal:.3f} x ideal", flush=True)
+    best = min(results)
+    print(f"{rows} rows ({workload}, {order} order), {workers} x {model} on {profile} [simulated, fluid estimates]: "
+          f"length-blind {blind / ideal:.3f} x ideal; best age-based isolation {best[0] / ideal:.3f} x (min_age "
+          f"{best[1]}, max_batch {best[2]}, {best[3]} isolated workers)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=None, help="rows (default: 100,000; with --million: 1,000,000)")
@@ -116,16 +150,23 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--workload", default="reasoning")
     ap.add_argument("--orders", default="random,sorted")
-    ap.add_argument("--policies", default="static,dynamic,batchgen", help="which to simulate (static and "
+    ap.add_argument("--policies", default="static,dynamic,batchgen", help="which to simulate, of static, dynamic, "
+                    "batchgen, length-aware (static and "
                     "batchgen are the ratios the targets name)")
     ap.add_argument("--million", action="store_true", help="time plan's work on 1M rows (every policy) instead")
     ap.add_argument("--oracle", action="store_true", help="instead: how near the ideal bound knowing every "
                     "row's length would come (fluid estimates: longest first; long rows on workers of their own)")
+    ap.add_argument("--age", action="store_true", help="instead: what moving rows that have grown long to "
+                    "workers of their own could buy (fluid estimates, batchgen/sim/age_isolation.py)")
     args = ap.parse_args()
     if args.rows is not None and args.rows < 1 or args.workers < 1:
         ap.error(f"--rows and --workers must be >= 1, got {args.rows} and {args.workers}")
     if args.million:  # --rows is honoured: the default is the 1M rows the target names
         million(args.rows or 1_000_000, args.workers, args.profile, args.model, args.workload)
+        return
+    if args.age:
+        for order in args.orders.split(","):
+            age_isolation(args.rows or 100_000, args.workers, args.profile, args.model, args.workload, order)
         return
     if args.oracle:
         for order in args.orders.split(","):
