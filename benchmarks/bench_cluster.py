@@ -27,6 +27,9 @@ rows: balanced / ideal 1.2-1.35 on this machine).
     python benchmarks/bench_cluster.py --rows 64 --max-tokens 64 --skip-hf   # quick smoke run
     python benchmarks/bench_cluster.py --rows 256 --pairs 3 --orders   # (a) alone: 3 alternated pairs,
                                         # wall and CPU ratios, each run's wall-time breakdown and orders
+    python benchmarks/bench_cluster.py --admission-pairs 2 --skip-hf   # batchgen with today's admission
+                                        # order against length-aware admission (admission_order="length"),
+                                        # alternated; --prompt-signal: prompt lengths follow output lengths
 """
 from __future__ import annotations
 
@@ -51,14 +54,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"
 
 
 def make_rows(n: int, vocab: int, min_tokens: int, max_tokens: int, seed: int,
-              lengths: str = "uniform") -> pd.DataFrame:
+              lengths: str = "uniform", prompt_signal: bool = False) -> pd.DataFrame:
     """Rows sorted by output length. uniform: min..max tokens; lognormal: bench_engine's model of
-    output lengths (median ~27, a few rows ~10x that), clipped to min..max."""
+    output lengths (median ~27, a few rows ~10x that), clipped to min..max. prompt_signal: a row's
+    prompt length is in a power-of-two bucket set by its output length (as rows made from one
+    template share both), so a length predictor keyed by prompt bucket can learn; else prompts are
+    8-32 tokens whatever the output."""
     rng = random.Random(seed)
     prompts = [[1] + [rng.randrange(5, vocab) for _ in range(rng.randint(8, 32))] for _ in range(n)]
     draw = (lambda: rng.randint(min_tokens, max_tokens)) if lengths == "uniform" else \
         (lambda: max(min_tokens, min(max_tokens, int(rng.lognormvariate(3.3, 0.9)))))
     lengths = sorted(draw() for _ in range(n))  # skew: long rows last
+    if prompt_signal:  # quartiles of output length -> prompts of 4-7, 8-15, 16-31, 32-63 tokens
+        prompts = [p[:1] + [rng.randrange(5, vocab) for _ in range(rng.randint(2 ** (2 + 4 * i // n),
+                                                                                2 ** (3 + 4 * i // n) - 2))]
+                   for i, p in enumerate(prompts)]
     return pd.DataFrame({"prompt": pd.Series(prompts, dtype=pd.ArrowDtype(pa.list_(pa.int64()))),
                          "max_tokens": lengths})
 
@@ -297,6 +307,29 @@ def ratio_pairs(client: Client, ddf: dd.DataFrame, pdf: pd.DataFrame, model: str
               f"median {values[len(values) // 2]:.2f}, worst {values[0]:.2f}")
 
 
+def admission_pairs(client: Client, ddf: dd.DataFrame, model: str, options: dict[str, Any], vocab: int,
+                    pairs: int) -> None:
+    """Balancing on, alternated (ABBA, after an untimed job of each): today's admission order (the
+    engine's default) and length-aware admission (admission_order="length"), each run's seconds
+    and the load average around it."""
+    bc.connect(client=client, balance=BalanceConfig())
+    variants = {"today": options, "length-aware": {**options, "admission_order": "length"}}
+    for opts in variants.values():
+        warm_up(client, model, opts, vocab)
+        run_batchgen(client, ddf, model, opts)  # untimed: a first full job still pays one-time costs
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(pairs):
+        for name in (list(variants) if i % 2 == 0 else list(variants)[::-1]):  # ABBA: drift cancels
+            opts = variants[name]
+            load0 = os.getloadavg()[0]
+            t = run_batchgen(client, ddf, model, opts)
+            seconds[name].append(t)
+            print(f"pair {i}: {name} {t:.2f}s (load average {load0:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
+    ratios = [b / a for a, b in zip(seconds["today"], seconds["length-aware"])]
+    print("length-aware / today per pair: " + ", ".join(f"{r:.3f}" for r in ratios)
+          + f"; best today {min(seconds['today']):.2f}s, best length-aware {min(seconds['length-aware']):.2f}s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: build the demo model)")
@@ -314,6 +347,10 @@ def main() -> None:
     ap.add_argument("--orders", action="store_true", help="print the balancer's orders of the best batchgen run")
     ap.add_argument("--pairs", type=int, default=0,
                     help="measure only (a): this many alternated batchgen / transformers pairs (best, median)")
+    ap.add_argument("--admission-pairs", type=int, default=0, metavar="N",
+                    help="measure only today's admission order against length-aware admission, N alternated pairs")
+    ap.add_argument("--prompt-signal", action="store_true",
+                    help="prompt lengths follow output lengths (a template signal a length predictor can learn)")
     args = ap.parse_args()
 
     from demo_builder import build_demo_model, tokenizer_vocab_size
@@ -323,7 +360,8 @@ def main() -> None:
     model = args.model or str(build_demo_model(Path(tempfile.gettempdir()) / "batchgen-bench-demo", dtype="float32"))
     vocab = tokenizer_vocab_size(model)
     options: dict[str, Any] = {"dtype": "float32", "kv_cache_bytes": 256 << 20}
-    pdf = make_rows(args.rows, vocab, args.min_tokens, args.max_tokens, seed=0, lengths=args.lengths)
+    pdf = make_rows(args.rows, vocab, args.min_tokens, args.max_tokens, seed=0, lengths=args.lengths,
+                    prompt_signal=args.prompt_signal)
     tokens = int(pdf["max_tokens"].sum())
     cores = os.cpu_count() or 1
     env = {"OMP_NUM_THREADS": str(max(1, cores // args.workers))}
@@ -335,6 +373,10 @@ def main() -> None:
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                       env=env) as cluster, Client(cluster) as client:
         ddf = dd.from_pandas(pdf, npartitions=args.partitions, sort=False)
+        if args.admission_pairs:
+            admission_pairs(client, ddf, model, options, vocab, args.admission_pairs)
+            bc.disconnect(client)
+            return
         if args.pairs:
             ratio_pairs(client, ddf, pdf, model, options, vocab, args.chunk, PAD_ID, args.pairs, args.orders,
                         args.skip_hf)
