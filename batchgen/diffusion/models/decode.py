@@ -6,13 +6,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .wan import decode_wan
+
 if TYPE_CHECKING:
     from .pipeline import Pipeline
 
 
 @torch.no_grad()
 def decode(pipe: Pipeline, latents: list[torch.Tensor]) -> list[np.ndarray]:
-    """latents: same-shape [C, h, w] each -> images [H, W, 3] floats in [0, 1]."""
+    """latents: same-shape [C, h, w] each -> images [H, W, 3] floats in [0, 1]; Wan: [C, F', h, w]
+    each -> videos [F, H, W, 3]."""
+    if pipe.family == "wan":
+        return decode_wan(pipe, latents)
     z = torch.stack(latents)
     scale = pipe.vae.config.scaling_factor
     # DiTPipeline multiplies by 1/scale, PixArt divides, SD3 and Flux divide and shift: kept apart

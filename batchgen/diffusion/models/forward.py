@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .mmdit import predict_mmdit
 from .packed import predict_packed
 from .pipeline import MMDIT
+from .wan import predict_wan
 
 if TYPE_CHECKING:
     from ..parallel.sp import UlyssesShard
@@ -28,10 +29,10 @@ def predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, cond: dict[str, to
     """x: [B, C, h, w], t: [B] -> model output [B, C_out, h, w]. cond: DiT {"class_labels": [B]};
     PixArt {"embeds": [B, L, Dc], "mask": [B, L]} (+ "resolution" [B, 2], "aspect_ratio" [B, 1]);
     SD3 / Flux: the rows the engine builds in engine/denoise.py (no sequence parallelism: their attention is diffusers')."""
-    if pipe.family in MMDIT:
+    if pipe.family in MMDIT or pipe.family == "wan":
         if sp is not None:
             raise ValueError(f"sequence-parallel forwards are not implemented for {pipe.pipeline_class}")
-        return predict_mmdit(pipe, x, t, cond)
+        return predict_wan(pipe, x, t, cond) if pipe.family == "wan" else predict_mmdit(pipe, x, t, cond)
     if sp is None and pipe.packs:
         return predict_packed(pipe, [(x, t, cond)])[0]
     m = pipe.transformer

@@ -8,7 +8,10 @@ What is ours and what is diffusers' (the `batchgen[diffusion]` extra), part by p
   than owning them); their state is read out and put back by schedulers.py.
 - text encoders and tokenizers: ours (t5.py, clip.py: plain torch over the safetensors, `tokenizers`
   over tokenizer.json or vocab.json + merges.txt); transformers is the test oracle, not a runtime
-  dependency. SD3's and Flux's three / two encoders are put together by mmdit_text.py.
+  dependency. SD3's and Flux's three / two encoders are put together by mmdit_text.py; Wan's UMT5
+  is t5.py with a bias table per layer.
+- Wan 2.1 (text-to-video): latents [C, F', h, w] of F = 4(F' - 1) + 1 frames; wan.py has its
+  forward, prompt cleaning and VAE decode.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ModelLoadError, UnsupportedModelError
+from .diffusers_modules import load_module
 from .schedulers import FLOW, Timing, calculate_shift, check_scheduler, make_scheduler
 
 # pipeline class -> (family, components it must have)
@@ -31,16 +35,23 @@ PIPELINES: dict[str, tuple[str, tuple[str, ...]]] = {
                                          "text_encoder_2", "tokenizer_2")),
     "FluxPipeline": ("flux", ("transformer", "vae", "scheduler", "text_encoder", "tokenizer", "text_encoder_2",
                               "tokenizer_2")),
+    # Wan 2.1 text-to-video (transformer_2, Wan 2.2's low-noise expert, must be absent)
+    "WanPipeline": ("wan", ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")),
 }
 TRANSFORMERS = {"dit": "DiTTransformer2DModel", "pixart": "PixArtTransformer2DModel",
-                "sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
+                "sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel", "wan": "WanTransformer3DModel"}
+VAES = {"wan": "AutoencoderKLWan"}  # the others: AutoencoderKL
 MMDIT = ("sd3", "flux")  # joint text-image attention, flow matching, pooled text conditioning
+FLOW_FAMILIES = ("sd3", "flux", "wan")  # flow matching: no input scaling, velocity out
+VIDEO = ("wan",)  # latents [C, F', h, w]: requests may give num_frames
 # The pipelines' own defaults (diffusers' __call__): T5 tokens a prompt is padded to.
 MAX_SEQUENCE_LENGTH = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300, "StableDiffusion3Pipeline": 256,
-                       "FluxPipeline": 512}
-# guidance_scale when a request gives none: diffusers' SD3 (7.0) and Flux-dev (3.5) defaults; DiT
-# and PixArt keep batchgen's earlier 4.0 (diffusers: DiT 4.0, PixArt 4.5) so their images stay the same
-DEFAULT_GUIDANCE = {"dit": 4.0, "pixart": 4.0, "sd3": 7.0, "flux": 3.5}
+                       "FluxPipeline": 512, "WanPipeline": 512}
+# guidance_scale when a request gives none: diffusers' SD3 (7.0), Flux-dev (3.5) and Wan (5.0) defaults;
+# DiT and PixArt keep batchgen's earlier 4.0 (diffusers: DiT 4.0, PixArt 4.5) so their images stay the same
+DEFAULT_GUIDANCE = {"dit": 4.0, "pixart": 4.0, "sd3": 7.0, "flux": 3.5, "wan": 5.0}
+# WanPipeline's defaults for a request that gives no size or frame count: 480 x 832 px, 81 frames
+WAN_SIZE, WAN_FRAMES = (480, 832), 81
 
 
 @dataclass
@@ -49,7 +60,7 @@ class Pipeline:
 
     path: Path
     pipeline_class: str
-    family: str                      # "dit" | "pixart" | "sd3" | "flux"
+    family: str                      # "dit" | "pixart" | "sd3" | "flux" | "wan"
     transformer: Any
     vae: Any
     scheduler_class: str
@@ -68,26 +79,64 @@ class Pipeline:
 
     @property
     def patch_size(self) -> int:
-        """Latent pixels per image token side (Flux: the pipeline's 2x2 packing; its config says 1)."""
+        """Latent pixels per image token side (Flux: the pipeline's 2x2 packing; its config says 1;
+        Wan: its (frames, height, width) patch's height)."""
+        if self.family == "wan":
+            return int(self.transformer.config.patch_size[1])
         return 2 if self.family == "flux" else int(self.transformer.config.patch_size)
 
     @property
     def vae_scale_factor(self) -> int:
+        if self.family == "wan":
+            return int(self.vae.config.scale_factor_spatial)
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     @property
+    def is_video(self) -> bool:
+        return self.family in VIDEO
+
+    @property
+    def temporal_factor(self) -> int:
+        """Video frames per latent frame after the first (Wan's VAE: 4)."""
+        return int(self.vae.config.scale_factor_temporal) if self.is_video else 1
+
+    def latent_frames(self, num_frames: int | None) -> int:
+        """Latent frames of a video of `num_frames` frames (1 for an image)."""
+        return 1 if num_frames is None else (num_frames - 1) // self.temporal_factor + 1
+
+    @property
     def native_size(self) -> int:
+        """An image request's default side (square); a video model's is native_hw."""
         # FluxPipeline's default_sample_size is 128 latent pixels; its transformer config has none
         sample = 128 if self.family == "flux" else int(self.transformer.config.sample_size)
         return sample * self.vae_scale_factor
 
     @property
+    def native_hw(self) -> tuple[int, int]:
+        """(height, width) of a request that gives neither."""
+        return WAN_SIZE if self.family == "wan" else (self.native_size, self.native_size)
+
+    @property
+    def default_frames(self) -> int | None:
+        """num_frames of a video request that gives none; None for an image model."""
+        return WAN_FRAMES if self.is_video else None
+
+    @property
     def pixel_multiple(self) -> int:
         return self.patch_size * self.vae_scale_factor
 
+    def tokens(self, height: int, width: int, num_frames: int | None = None) -> int:
+        """Transformer tokens of one request's latents (every latent frame's patches)."""
+        m = self.pixel_multiple
+        return (height // m) * (width // m) * self.latent_frames(num_frames)
+
+    @property
+    def native_tokens(self) -> int:
+        return self.tokens(*self.native_hw, self.default_frames)
+
     @property
     def learned_sigma(self) -> bool:
-        if self.family in MMDIT:
+        if self.family in FLOW_FAMILIES:
             return False
         return int(self.transformer.config.out_channels) // 2 == self.latent_channels
 
@@ -176,8 +225,12 @@ def read_index(path: str | os.PathLike) -> tuple[Path, dict[str, Any], str]:
     if index["transformer"][1] != TRANSFORMERS[family]:
         raise UnsupportedModelError(f"{root}: transformer class {index['transformer'][1]!r} is not supported "
                                     f"for {cls} (expected {TRANSFORMERS[family]})")
-    if index["vae"][1] != "AutoencoderKL":
-        raise UnsupportedModelError(f"{root}: VAE class {index['vae'][1]!r} is not supported (expected AutoencoderKL)")
+    vae = VAES.get(family, "AutoencoderKL")
+    if index["vae"][1] != vae:
+        raise UnsupportedModelError(f"{root}: VAE class {index['vae'][1]!r} is not supported (expected {vae})")
+    extra = index.get("transformer_2")
+    if family == "wan" and extra and extra[1] is not None:
+        raise UnsupportedModelError(f"{root}: a WanPipeline with transformer_2 (Wan 2.2's two experts) is not supported")
     return root, index, cls
 
 
@@ -203,8 +256,8 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
 
     from .packed import packable
 
-    transformer = _load_module(getattr(diffusers, TRANSFORMERS[family]), root / "transformer", torch_dtype)
-    vae = _load_module(diffusers.AutoencoderKL, root / "vae", torch_dtype)
+    transformer = load_module(getattr(diffusers, TRANSFORMERS[family]), root / "transformer", torch_dtype)
+    vae = load_module(getattr(diffusers, VAES.get(family, "AutoencoderKL")), root / "vae", torch_dtype)
     pipe = Pipeline(path=root, pipeline_class=cls, family=family, transformer=transformer.to(device).eval(),
                     vae=vae.to(device).eval(), scheduler_class=sched_class, scheduler_config=sched_config,
                     scheduler_options=dict(built.config),
@@ -235,25 +288,15 @@ def _torch_dtype(dtype: Any) -> Any:
     return value
 
 
-def _load_module(cls: Any, folder: Path, torch_dtype: Any) -> Any:
-    """diffusers' from_pretrained; any failure, or weights missing for the config, -> ModelLoadError."""
-    try:
-        module, info = cls.from_pretrained(folder, torch_dtype=torch_dtype, output_loading_info=True)
-    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, NotImplementedError, SafetensorError, ...
-        raise ModelLoadError(f"{folder}: cannot load {cls.__name__} ({type(exc).__name__}: {exc})") from exc
-    missing = sorted(info.get("missing_keys") or [])
-    if missing:
-        raise ModelLoadError(f"{folder}: {cls.__name__} weights missing for its config.json: "
-                             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} ({len(missing)} tensors)")
-    return module
-
-
 def _load_text(pipe: Pipeline, root: Path, index: dict[str, Any], torch_dtype: Any, device: str) -> None:
     from .t5 import T5Encoder, T5Tokens
 
     enc_class = index["text_encoder"][1]
-    if enc_class != "T5EncoderModel":
-        raise UnsupportedModelError(f"{root}: text encoder class {enc_class!r} is not supported (expected T5EncoderModel)")
+    # Wan's is a UMT5 (t5.py reads which from its config.json); diffusers' own Wan tests save a T5
+    allowed = ("UMT5EncoderModel", "T5EncoderModel") if pipe.family == "wan" else ("T5EncoderModel",)
+    if enc_class not in allowed:
+        raise UnsupportedModelError(f"{root}: text encoder class {enc_class!r} is not supported "
+                                    f"(expected {' or '.join(allowed)})")
     pipe.text_encoder = _loading_text(root, lambda: T5Encoder(root / "text_encoder", torch_dtype, device))
     pipe.tokenizer = _loading_text(root, lambda: T5Tokens(root / "tokenizer"))
 

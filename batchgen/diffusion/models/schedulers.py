@@ -16,8 +16,11 @@ from ...errors import UnsupportedModelError
 
 # deterministic: the image depends on the initial noise only.
 DETERMINISTIC = ("DDIMScheduler", "DPMSolverMultistepScheduler", "EulerDiscreteScheduler",
-                 "FlowMatchEulerDiscreteScheduler")
+                 "FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
 FLOW = "FlowMatchEulerDiscreteScheduler"  # SD3's and Flux's; the only one they run here
+# Wan 2.1's own scheduler (flow_prediction, use_flow_sigmas, flow_shift); for Wan only, which also
+# runs FLOW (diffusers' Wan tests)
+UNIPC = "UniPCMultistepScheduler"
 # these draw noise every step from the trajectory's own generator (its RNG state travels).
 STOCHASTIC = ("DDPMScheduler",)
 SUPPORTED = DETERMINISTIC + STOCHASTIC
@@ -34,7 +37,16 @@ def check_scheduler(cls: str, config: dict[str, Any], where: str, family: str | 
     flow_family = family in ("sd3", "flux")
     if flow_family and cls != FLOW:
         raise UnsupportedModelError(f"{where}: scheduler {cls!r} is not supported for {family} (supported: {FLOW})")
-    if cls == FLOW and family is not None and not flow_family:
+    if family == "wan" and cls not in (FLOW, UNIPC):
+        raise UnsupportedModelError(f"{where}: scheduler {cls!r} is not supported for wan (supported: {FLOW}, {UNIPC})")
+    if cls == UNIPC and (family != "wan" or config.get("prediction_type") != "flow_prediction"
+                         or not config.get("use_flow_sigmas")):
+        raise UnsupportedModelError(f"{where}: {cls} is supported for Wan's flow prediction only "
+                                    "(prediction_type='flow_prediction', use_flow_sigmas=True)")
+    if family == "wan" and cls == FLOW and config.get("use_dynamic_shifting"):
+        # WanPipeline sets its timesteps without mu: diffusers itself would fail at the first request
+        raise UnsupportedModelError(f"{where}: {cls} with use_dynamic_shifting=True is not supported for wan")
+    if cls == FLOW and family is not None and not flow_family and family != "wan":
         raise UnsupportedModelError(f"{where}: {cls} is not supported for {family} (a flow-matching scheduler)")
     if cls == FLOW and config.get("stochastic_sampling"):
         # diffusers' SD3 and Flux pipelines step it without a generator: no reproducible image

@@ -1,6 +1,8 @@
-"""PixArt's text encoder: a plain-torch T5 encoder read from its safetensors, and its tokenizer read
-with `tokenizers` from tokenizer.json. transformers' T5EncoderModel is the test oracle (through
-the diffusers pipeline the tests compare against), not a runtime dependency.
+"""The T5 text encoders (PixArt, SD3, Flux; UMT5 for Wan): a plain-torch T5 encoder read from its
+safetensors, and its tokenizer read with `tokenizers` from tokenizer.json. transformers'
+T5EncoderModel / UMT5EncoderModel are the test oracles, not runtime dependencies.
+
+UMT5 is T5 v1.1 with one relative position bias table per layer (T5 shares layer 0's).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class T5Config:
     eps: float
     gated: bool
     act: str
+    bias_per_layer: bool = False  # UMT5: every layer has its own relative_attention_bias
 
     @classmethod
     def read(cls, path: Path) -> T5Config:
@@ -43,7 +46,7 @@ class T5Config:
             raise UnsupportedModelError(f"{path}: T5 activation {act!r} is not supported")
         return cls(int(cfg["d_model"]), int(cfg["d_kv"]), int(cfg["num_heads"]), int(cfg["num_layers"]),
                    int(cfg.get("relative_attention_num_buckets", 32)), int(cfg.get("relative_attention_max_distance", 128)),
-                   float(cfg.get("layer_norm_epsilon", 1e-6)), gated, act)
+                   float(cfg.get("layer_norm_epsilon", 1e-6)), gated, act, cfg.get("model_type") == "umt5")
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,10 +87,11 @@ class T5Encoder:
         """The tensor names __call__ reads, for the config's layer count and feed-forward kind."""
         c = self.config
         ff = ("wi_0", "wi_1", "wo") if c.gated else ("wi", "wo")
-        names = ["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-                 "encoder.final_layer_norm.weight"]
+        names = ["encoder.final_layer_norm.weight"]
         for i in range(c.num_layers):
             p = f"encoder.block.{i}.layer."
+            if i == 0 or c.bias_per_layer:
+                names.append(p + "0.SelfAttention.relative_attention_bias.weight")
             names += [p + "0.layer_norm.weight", p + "1.layer_norm.weight"]
             names += [p + f"0.SelfAttention.{n}.weight" for n in "qkvo"]
             names += [p + f"1.DenseReluDense.{n}.weight" for n in ff]
@@ -100,12 +104,12 @@ class T5Encoder:
         h = F.embedding(ids, self.embed)
         pos = torch.arange(L, device=ids.device)
         buckets = _bucket(pos[None, :] - pos[:, None], c.num_buckets, c.max_distance)  # [L, L]: key - query
-        bias = w["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"][buckets]  # [L, L, H]
-        bias = bias.permute(2, 0, 1).unsqueeze(0)  # [1, H, L, L]
-        neg = torch.finfo(h.dtype).min
-        bias = bias + (1.0 - attention_mask[:, None, None, :].to(h.dtype)) * neg
+        masked = (1.0 - attention_mask[:, None, None, :].to(h.dtype)) * torch.finfo(h.dtype).min  # [B, 1, 1, L]
         for i in range(c.num_layers):
             p = f"encoder.block.{i}.layer."
+            if i == 0 or c.bias_per_layer:
+                table = w[p + "0.SelfAttention.relative_attention_bias.weight"]
+                bias = table[buckets].permute(2, 0, 1).unsqueeze(0) + masked  # [B, H, L, L]
             x = _rms(h, w[p + "0.layer_norm.weight"], c.eps)
             q, k, v = (F.linear(x, w[p + f"0.SelfAttention.{n}.weight"]).view(B, L, c.num_heads, c.d_kv).transpose(1, 2)
                        for n in "qkv")
