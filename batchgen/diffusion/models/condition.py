@@ -1,5 +1,5 @@
 """Conditioning, computed once per request at admission: DiT class labels, PixArt T5 embeddings,
-SD3 / Flux joint text embeddings and pooled vectors (mmdit_text.py)."""
+SD3 / Flux joint text embeddings and pooled vectors (mmdit_text.py), Wan's UMT5 embeddings."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -26,7 +26,8 @@ def prompt_error(pipe: Pipeline, prompt: str) -> str | None:
 @torch.no_grad()
 def encode_prompts(pipe: Pipeline, prompts: list[str]) -> list[dict[str, torch.Tensor]]:
     """-> per prompt {"embeds": [L, D], "mask": [L]} (L = max_sequence_length, padded as PixArt);
-    SD3 / Flux: {"embeds": [L, D], "pooled": [P]}."""
+    SD3 / Flux: {"embeds": [L, D], "pooled": [P]}; Wan: {"embeds": [L, D]}, its prompts cleaned and
+    the rows past each prompt's tokens zeroed, as WanPipeline's."""
     if pipe.family in MMDIT:
         return [{k: v.to(pipe.transformer.dtype) for k, v in c.items()} for c in pipe.text_encoder.encode(prompts)]
     wan = pipe.family == "wan"
