@@ -30,13 +30,17 @@ def time_forward(pipe, rows: int, latent: int, repeats: int = 3, sp=None, warm: 
     UlyssesShard, every member calls this); warm: one untimed forward first."""
     import torch
 
+    from ..models import wan
     from ..models.forward import predict
     from ..models.mmdit import timing_cond
     from ..models.pipeline import MMDIT
 
     x = torch.randn(rows, pipe.latent_channels, latent, latent)
     t = torch.full((rows,), 500, dtype=torch.long)
-    if pipe.family in MMDIT:
+    if pipe.is_video:  # one latent frame: latent^2 / p^2 tokens, as an image of that size
+        x = x[:, :, None]
+        cond = wan.timing_cond(pipe, rows)
+    elif pipe.family in MMDIT:
         cond = timing_cond(pipe, rows)
     elif pipe.family == "dit":
         cond = {"class_labels": torch.zeros(rows, dtype=torch.long)}

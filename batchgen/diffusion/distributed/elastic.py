@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from ...errors import UnsupportedModelError
 from ...policy.diffusion_cost import CostModel
 from ...policy.diffusion_plan import ElasticOptions
 from ...policy.diffusion_steal import deal
@@ -112,6 +113,9 @@ def _views(model: str, engine_options: dict, requests: list[ImageRequest], arriv
     worker: its engine has the pipeline)."""
     def views(engine: Any) -> tuple[list[Any], bool]:
         pipe = engine.pipe
+        if pipe.is_video:  # its results are PNG bytes, one image each
+            raise UnsupportedModelError(f"{model}: the elastic driver runs image pipelines, not {pipe.pipeline_class}; "
+                                        "run videos with batchgen.diffuse or batchgen run")
         return [request_view(pipe, i, r, a, d) for i, (r, a, d) in enumerate(zip(requests, arrivals, deadlines))], \
             pipe.packs
     return on_engine(model, engine_options, views)

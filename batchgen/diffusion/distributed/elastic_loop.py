@@ -86,9 +86,9 @@ def request_view(pipe: Any, index: int, req: ImageRequest, arrival: float, deadl
 
 
 def allowed_degrees(pipe: Any, workers: int) -> tuple[int, ...]:
-    """Degrees the Ulysses split allows: they divide the attention heads (SD3 and Flux: 1, their
-    forward has no sequence-parallel path)."""
-    if pipe.family in ("sd3", "flux"):
+    """Degrees the Ulysses split allows: they divide the attention heads (SD3, Flux and Wan: 1,
+    their forward has no sequence-parallel path)."""
+    if pipe.family in ("sd3", "flux", "wan"):
         return (1,)
     heads = pipe.transformer.config.num_attention_heads
     return tuple(d for d in range(1, workers + 1) if heads % d == 0)

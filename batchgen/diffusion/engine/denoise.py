@@ -15,7 +15,7 @@ import torch
 from ..models import ddim_batch, flow_batch, schedulers
 from ..models.forward import predict
 from ..models.packed import predict_packed
-from ..models.pipeline import MMDIT
+from ..models.pipeline import FLOW_FAMILIES, MMDIT
 
 if TYPE_CHECKING:
     from ..models.pipeline import Pipeline
@@ -44,12 +44,17 @@ def new_scheduler(pipe: Pipeline, traj: Trajectory, device: str) -> Any:
 
 
 def start(pipe: Pipeline, traj: Trajectory, device: str) -> Live:
-    """A trajectory's first state: its scheduler and its initial noise [C, h, w], drawn as the
-    family's diffusers pipeline draws it. ValueError: the scheduler refuses the request."""
+    """A trajectory's first state: its scheduler and its initial noise [C, h, w] (a video's
+    [C, F', h, w]), drawn as the family's diffusers pipeline draws it. ValueError: the scheduler
+    refuses the request."""
     gen = torch.Generator(device="cpu").manual_seed(traj.request.seed)
     sched = new_scheduler(pipe, traj, device)
-    shape = (1, pipe.latent_channels, traj.height // pipe.vae_scale_factor, traj.width // pipe.vae_scale_factor)
-    latents = torch.randn(shape, generator=gen, dtype=pipe.transformer.dtype).to(device)
+    f = pipe.vae_scale_factor
+    frames = (pipe.latent_frames(traj.num_frames),) if pipe.is_video else ()
+    shape = (1, pipe.latent_channels, *frames, traj.height // f, traj.width // f)
+    # WanPipeline draws (and keeps until the first step) its latents in fp32, whatever the model's dtype
+    dtype = torch.float32 if pipe.is_video else pipe.transformer.dtype
+    latents = torch.randn(shape, generator=gen, dtype=dtype).to(device)
     if pipe.family == "pixart":  # DiT, SD3 and Flux do not scale their initial noise
         latents = latents * sched.init_noise_sigma
     traj.latents = latents[0]
@@ -68,20 +73,26 @@ def resumed(pipe: Pipeline, traj: Trajectory, device: str) -> Live:
 
 def group_inputs(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], uncond: dict[str, torch.Tensor] | None
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """-> (x [B, C, h, w], t [B], cond) with rows: every trajectory's conditional row, then the
-    unconditional rows of those using guidance, in the same order."""
+    """-> (x [B, C, h, w] (a video's [B, C, F', h, w]), t [B], cond) with rows: every trajectory's
+    conditional row, then the unconditional rows of those using guidance, in the same order."""
     xs, ts = [], []
     for traj, lv in zip(trajs, live):
         t = lv.scheduler.timesteps[traj.step]
         x = traj.latents[None]
         # flow matching has no input scaling (diffusers' scheduler has no scale_model_input)
-        xs.append(x if pipe.family in MMDIT else lv.scheduler.scale_model_input(x, t))
+        xs.append(x if pipe.family in FLOW_FAMILIES else lv.scheduler.scale_model_input(x, t))
         ts.append(t)
     guided = [i for i, traj in enumerate(trajs) if traj.uses_guidance]
     x = torch.cat(xs + [xs[i] for i in guided])
     t = torch.stack(ts + [ts[i] for i in guided])
     if pipe.family in MMDIT:
         return x, t, _mmdit_cond(pipe, trajs, guided, uncond)
+    if pipe.family == "wan":  # WanPipeline: the empty prompt's embeddings as the negative prompt
+        embeds = [traj.cond["embeds"] for traj in trajs]
+        if guided:
+            assert uncond is not None
+            embeds += [uncond["embeds"]] * len(guided)
+        return x, t, {"embeds": torch.stack(embeds)}
     if pipe.family == "dit":
         labels = [traj.cond["class_label"] for traj in trajs] + [pipe.null_class] * len(guided)
         return x, t, {"class_labels": torch.tensor(labels, device=x.device)}
@@ -118,7 +129,7 @@ def apply_output(pipe: Pipeline, trajs: list[Trajectory], live: list[Live], out:
         pred = pred.clone()
         pred[rows] = uncond + scale * (pred[rows] - uncond)
     batched = [i for i, lv in enumerate(live) if lv.batched]
-    if pipe.family in MMDIT and len(batched) > 1:
+    if pipe.family in FLOW_FAMILIES and len(batched) > 1:
         if pred.dtype == torch.float32:
             idx = torch.tensor(batched, device=out.device)
             prev = flow_batch.flow_step([live[i].scheduler for i in batched], pred[idx],

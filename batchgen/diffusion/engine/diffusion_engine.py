@@ -60,8 +60,7 @@ class DiffusionEngine:
         self.model_key = str(self.pipe.path.resolve())
         self.policy = check_policy(policy)
         self.max_batch_rows, self.max_batch_tokens = max_batch_rows, max_batch_tokens
-        native = (self.pipe.native_size // self.pipe.pixel_multiple) ** 2
-        self.max_image_tokens = max_image_tokens or IMAGE_TOKENS_OVER_NATIVE * native
+        self.max_image_tokens = max_image_tokens or IMAGE_TOKENS_OVER_NATIVE * self.pipe.native_tokens
         self.cost = (cost or CostModel()).packing(self.pipe.packs)
         self._trajs: dict[int, Trajectory] = {}
         self._live: dict[int, Live] = {}
@@ -89,10 +88,13 @@ class DiffusionEngine:
             raise TypeError("an ImageRequest carries its own parameters: params must be None")
         tid = self._next_tid
         self._next_tid += 1
-        h, w = req.height or self.pipe.native_size, req.width or self.pipe.native_size
+        (nh, nw), pipe = self.pipe.native_hw, self.pipe
+        h, w = req.height or nh, req.width or nw
         err = self.check(req)
-        cfg = self.pipe.cfg_scale(req.guidance_scale) if err is None else 1.0
-        traj = Trajectory(tid=tid, request=req, height=h, width=w, model_key=self.model_key, cfg_scale=cfg)
+        cfg = pipe.cfg_scale(req.guidance_scale) if err is None else 1.0
+        frames = (req.num_frames or pipe.default_frames) if pipe.is_video else None
+        traj = Trajectory(tid=tid, request=req, height=h, width=w, num_frames=frames, model_key=self.model_key,
+                          cfg_scale=cfg)
         if err:
             traj.error = err
             traj.move(Status.FAILED, "rejected at admission")
@@ -302,9 +304,10 @@ class DiffusionEngine:
         return outs  # type: ignore[return-value]
 
     def generate(self, requests: Sequence[ImageRequest]) -> list[Any]:
-        """-> one PIL image per request, in input order; a bad request's slot holds a
-        RequestError (its message names the field and the value) and the others go on."""
-        return [o.image if o.error is None else RequestError(o.error) for o in self.generate_outputs(requests)]
+        """-> one PIL image per request (a video's: its list of PIL frames), in input order; a bad
+        request's slot holds a RequestError (its message names the field and the value) and the
+        others go on."""
+        return [o.result if o.error is None else RequestError(o.error) for o in self.generate_outputs(requests)]
 
     # ---- CoroutineEngine: the cluster runtime's face (cluster/runner.py) --------------------
     def run_step(self) -> list[int]:
@@ -342,18 +345,16 @@ class DiffusionEngine:
 
     # ---- internals ------------------------------------------------------------------------
     def _step_work(self, t: Trajectory) -> int:
-        m = self.pipe.pixel_multiple
-        return (t.height // m) * (t.width // m) * (2 if t.uses_guidance else 1)
+        return self.pipe.tokens(t.height, t.width, t.num_frames) * (2 if t.uses_guidance else 1)
 
     def _view(self, t: Trajectory) -> TrajView:
         arrival, deadline = self._meta[t.tid]
-        p = self.pipe.patch_size
-        tokens = (t.latents.shape[-2] // p) * (t.latents.shape[-1] // p)
+        tokens = self.pipe.tokens(t.height, t.width, t.num_frames)
         return TrajView(t.tid, t.group_key, tokens, 2 if t.uses_guidance else 1, t.remaining_steps, arrival, deadline)
 
     def _ensure_uncond(self) -> None:
-        # the empty prompt, as PixArt's and SD3's negative prompt defaults (Flux has no CFG here)
-        if self.pipe.family in ("pixart", "sd3") and self._uncond is None:
+        # the empty prompt, as PixArt's, SD3's and Wan's negative prompt defaults (Flux has no CFG here)
+        if self.pipe.family in ("pixart", "sd3", "wan") and self._uncond is None:
             self._uncond = encode_prompts(self.pipe, [""])[0]
 
     def _admit(self) -> None:
@@ -401,7 +402,11 @@ class DiffusionEngine:
                     self._decode_group([t])
             return
         for t, image in zip(group, images):
-            self._finish(t, ImageOutput(index=t.tid, image=to_pil(image), array=image, steps=t.step))
+            if t.num_frames is not None:
+                out = ImageOutput(index=t.tid, frames=[to_pil(f) for f in image], array=image, steps=t.step)
+            else:
+                out = ImageOutput(index=t.tid, image=to_pil(image), array=image, steps=t.step)
+            self._finish(t, out)
 
     def _finish(self, t: Trajectory, out: ImageOutput) -> None:
         t.move(Status.FINISHED if out.error is None else Status.FAILED, "output ready")

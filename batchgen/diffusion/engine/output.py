@@ -8,13 +8,20 @@ from typing import Any
 
 @dataclass(slots=True)
 class ImageOutput:
-    """A finished request: image (PIL) or error (a message naming the field and the value)."""
+    """A finished request: image (PIL), or a video's frames (PIL, in order), or error (a message
+    naming the field and the value)."""
 
     index: int
     image: Any = None
-    array: Any = None        # [H, W, 3] float32 in [0, 1], before quantisation
+    array: Any = None        # [H, W, 3] float32 in [0, 1], before quantisation (a video's [F, H, W, 3])
+    frames: list[Any] | None = None  # a video's frames; image is None then
     error: str | None = None
     steps: int = 0
+
+    @property
+    def result(self) -> Any:
+        """What generate() returns for it: the image, or the video's list of frames."""
+        return self.frames if self.frames is not None else self.image
 
     @property
     def num_generated_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""ImageRequest: one image to generate; bad values are reported per request, never raised in a batch."""
+"""ImageRequest: one image (or video) to generate; bad values are reported per request, never raised in a batch."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,9 @@ class ImageRequest:
     """prompt (text-to-image pipelines) or class_label (DiT); height/width in pixels (None: the
     model's native size); guidance_scale: None for the model's default (DiT, PixArt 4.0, SD3 7.0,
     Flux-dev 3.5; Flux-schnell has no guidance and refuses one); > 1 turns classifier-free guidance
-    on for DiT, PixArt and SD3 (as diffusers); Flux-dev's is its distilled guidance input."""
+    on for DiT, PixArt and SD3 (as diffusers); Flux-dev's is its distilled guidance input.
+    num_frames: a video's frames (diffusers' name; Wan: 4k + 1, None for its default 81); an image
+    model refuses it. Wan's guidance default is 5.0, its negative prompt the empty string."""
 
     prompt: str | None = None
     class_label: int | None = None
@@ -20,10 +22,11 @@ class ImageRequest:
     num_inference_steps: int = 20
     guidance_scale: float | None = None
     seed: int = 0
+    num_frames: int | None = None
 
     def __post_init__(self) -> None:
         # numpy integers and floats (a DataFrame's cells) as the plain values they stand for
-        for name in ("class_label", "height", "width", "num_inference_steps", "seed"):
+        for name in ("class_label", "height", "width", "num_inference_steps", "seed", "num_frames"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
                 object.__setattr__(self, name, int(value))
@@ -41,7 +44,7 @@ class ImageRequest:
             return f"guidance_scale must be a finite number >= 0, got {self.guidance_scale!r}"
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             return f"seed must be an integer in [0, 2**63), got {self.seed!r}"
-        for name in ("height", "width"):
+        for name in ("height", "width", "num_frames"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 return f"{name} must be a positive integer, got {value!r}"

@@ -14,7 +14,9 @@ from typing import Any
 from ...errors import StateError
 from .request import ImageRequest
 
-STATE_VERSION = 2  # 2: cfg_scale travels (a family's default guidance resolved at admission)
+# 2: cfg_scale travels (a family's default guidance resolved at admission); 3: num_frames travels
+# (a video's frame count, its model's default resolved at admission; ImageRequest gained the field)
+STATE_VERSION = 3
 
 
 class Status(enum.Enum):
@@ -29,8 +31,9 @@ class Status(enum.Enum):
 class Trajectory:
     """One request's denoising state.
 
-    latents: [C, h, w] (h, w = pixels / VAE factor); cond: DiT {"class_label": int}, PixArt
-    {"embeds": [L, D], "mask": [L]} (computed once, at admission); scheduler_state: schedulers.read_state
+    latents: [C, h, w] (h, w = pixels / VAE factor; a video's [C, F', h, w]); cond: DiT
+    {"class_label": int}, PixArt {"embeds": [L, D], "mask": [L]}, Wan {"embeds": [L, D]} (computed
+    once, at admission); num_frames: a video's frames, None for an image; scheduler_state: schedulers.read_state
     of its scheduler; rng_state: its torch.Generator's state (stochastic schedulers draw from it).
     """
 
@@ -38,6 +41,7 @@ class Trajectory:
     request: ImageRequest
     height: int
     width: int
+    num_frames: int | None = None
     status: Status = Status.WAITING
     step: int = 0
     latents: Any = None
