@@ -6,10 +6,11 @@ Input line::
      "body": {"prompt": "a red fox", "size": "256x256", "n": 2, "seed": 7,
               "num_inference_steps": 20, "guidance_scale": 4.5, "response_format": "url"}}
 
-(DiT pipelines take "class_label" instead of "prompt".) Every image is written as a PNG under
-`<output>.images/`; the result line is OpenAI's images response (`{"created", "data": [{"url"} |
-{"b64_json"}]}`) under `response.body`, `url` being the PNG's path; a `.parquet` output has a row
-per line instead (images_sink.py). The job is a text job's (io/job.py, io/spec.py) with this
+(DiT pipelines take "class_label" instead of "prompt"; a video pipeline, Wan, takes "num_frames"
+too.) Every image is written as a PNG under `<output>.images/`; the result line is OpenAI's images
+response (`{"created", "data": [{"url"} | {"b64_json"}]}`) under `response.body`, `url` being the
+PNG's path (a video's: its MP4, or its frames' folder without the `video` extra, with
+`frames_dir` beside it); a `.parquet` output has a row per line instead (images_sink.py). The job is a text job's (io/job.py, io/spec.py) with this
 reader, sink and backend: per-line errors, custom_id rules, the input fingerprint of `--resume`
 and the summary are theirs.
 """
@@ -82,7 +83,7 @@ class DiffusionBackend:
             del parts[position]
             error = next((o.error for o in done if o.error), None)  # type: ignore[union-attr]
             self.images += len(done) if error is None else 0
-            yield position, LineResult([o.image for o in done], error)  # type: ignore[union-attr]
+            yield position, LineResult([o.result for o in done], error)  # type: ignore[union-attr]
 
     def progress_status(self) -> str:
         return f"{self.images} images"

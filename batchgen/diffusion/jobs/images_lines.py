@@ -19,7 +19,7 @@ from ..engine.request import ImageRequest
 
 URL = "/v1/images/generations"
 BODY_FIELDS = {"prompt", "class_label", "size", "n", "seed", "num_inference_steps", "guidance_scale",
-               "response_format", "model"}
+               "response_format", "model", "num_frames"}  # num_frames: a video (diffusers' name)
 MAX_N = 10
 _SIZE = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*", re.ASCII)
 
@@ -34,7 +34,8 @@ class ImageRow(Request):
 
 @dataclass(slots=True)
 class LineResult:
-    """A line's images (PIL, in the line's order) once all have finished, or the first error."""
+    """A line's images (PIL, in the line's order; a video: its list of frames) once all have
+    finished, or the first error."""
 
     images: list[Any]
     error: str | None = None
@@ -94,9 +95,13 @@ def _parse_body(row: ImageRow, body: dict[str, Any]) -> None:
     if fmt not in ("url", "b64_json"):
         row.fail("invalid_response_format", "must be 'url' or 'b64_json'", "body.response_format", fmt)
         return
+    if fmt == "b64_json" and body.get("num_frames") is not None:
+        row.fail("invalid_response_format", "must be 'url' for a video (body.num_frames)", "body.response_format", fmt)
+        return
     row.response_format = fmt
     seed = body.get("seed", 0)
-    kw = {k: body[k] for k in ("prompt", "class_label", "num_inference_steps", "guidance_scale") if k in body}
+    kw = {k: body[k] for k in ("prompt", "class_label", "num_inference_steps", "guidance_scale", "num_frames")
+          if k in body}
     counted = isinstance(seed, int) and not isinstance(seed, bool)  # otherwise ImageRequest names it
     for i in range(n):
         row.images.append(ImageRequest(height=height, width=width, seed=seed + i if counted else seed, **kw))

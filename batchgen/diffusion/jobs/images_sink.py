@@ -3,7 +3,8 @@ text format's resumable JSONL or Parquet output (io/jsonl_sink.py, io/parquet_si
 
 A line's PNGs are written before its record, so a record never names a missing file. Parquet
 rows carry the JSONL records' fields as columns, each image as its PNG's path (a b64_json line
-too: Parquet references images, never embeds them).
+too: Parquet references images, never embeds them). A video is a folder of frame PNGs and an MP4
+beside it (video_files.py); its path is the MP4's, or the folder's without the `video` extra.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from ...io.openai_batch import response_record, row_key
 from ...io.parquet_sink import ParquetSink
 from ...io.request import Request, RowKey
 from .images_lines import ImageRow, LineResult
+from .video_files import write_video
 
 IMAGE_COLUMNS = pa.schema([
     ("custom_id", pa.string()), ("line", pa.int64()), ("status_code", pa.int64()),
-    ("images", pa.list_(pa.string())),  # the PNGs' paths
+    ("images", pa.list_(pa.string())),  # the PNGs' paths (a video's MP4 or frames folder)
     ("error", pa.string()), ("error_code", pa.string()), ("error_param", pa.string()),
 ])
 
@@ -33,12 +35,19 @@ def image_dir(output: Path) -> Path:
     return output.with_name(output.name + ".images")
 
 
-def save_pngs(output: Path, row: ImageRow, result: LineResult) -> list[Path]:
+def save_pngs(output: Path, row: ImageRow, result: LineResult) -> list[tuple[Path, Path | None]]:
+    """-> per image (its PNG, None); per video (its MP4 or frames folder, the frames folder)."""
     folder = image_dir(output)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / f"{png_stem(row)}_{j}.png" for j in range(len(result.images))]
-    for image, path in zip(result.images, paths):
-        image.save(path, format="PNG")
+    paths: list[tuple[Path, Path | None]] = []
+    for j, image in enumerate(result.images):
+        stem = f"{png_stem(row)}_{j}"
+        if isinstance(image, list):
+            files = write_video(folder, stem, image)
+            paths.append((files.main, files.frames_dir))
+        else:
+            image.save(folder / f"{stem}.png", format="PNG")
+            paths.append((folder / f"{stem}.png", None))
     return paths
 
 
@@ -57,9 +66,11 @@ class ImagesJsonlSink(JsonlSink):
 
     def add_result(self, req: ImageRow, out: LineResult) -> None:  # type: ignore[override]
         data = []
-        for p in save_pngs(self.path, req, out):
+        for p, frames_dir in save_pngs(self.path, req, out):
             item: dict[str, Any] = {"url": str(p), "revised_prompt": None}
-            if req.response_format == "b64_json":
+            if frames_dir is not None:
+                item["frames_dir"] = str(frames_dir)
+            elif req.response_format == "b64_json":
                 item = {"b64_json": base64.b64encode(p.read_bytes()).decode("ascii"), "revised_prompt": None}
             data.append(item)
         self.add_record(response_record(req, 200, {"created": int(time.time()), "data": data}))
@@ -74,7 +85,7 @@ class ImagesParquetSink(ParquetSink):
         super().__init__(Path(path), pa.schema([]), resume=resume, columns=IMAGE_COLUMNS)
 
     def add_result(self, req: ImageRow, out: LineResult) -> None:  # type: ignore[override]
-        paths = [str(p) for p in save_pngs(self.path, req, out)]
+        paths = [str(p) for p, _ in save_pngs(self.path, req, out)]
         self.add_row(req, {"custom_id": req.custom_id, "line": req.number, "status_code": 200, "images": paths})
 
     def add_error(self, req: Request) -> None:
