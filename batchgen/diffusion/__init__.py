@@ -1,4 +1,5 @@
-"""batchgen.diffusion: batch image generation with diffusion transformers (DiT, PixArt-alpha/sigma).
+"""batchgen.diffusion: batch image and video generation with diffusion transformers (DiT,
+PixArt-alpha/sigma, SD3, Flux; Wan 2.1 text-to-video).
 
 Trajectories are coroutines whose yield points are denoising steps: explicit picklable state,
 combined into shared forwards at different timesteps, suspended and resumed anywhere.
