@@ -127,14 +127,16 @@ def test_prefix_order_beats_fifo_under_a_tight_pool_with_identical_tokens(mixtra
     prompts = [heads[i % 12] + [10 + i % 50, 11 + i % 40] for i in range(72)]  # 6 rows each
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     results = {}
-    for order in ("prefix", "fifo"):
+    for order in ("prefix", "fifo", "length"):
         engine = Engine(mixtral, block_size=BLOCK, num_kv_blocks=40, max_num_seqs=4, admission_order=order)
         outs = list(engine.run_requests(((p, params) for p in prompts), max_in_flight=72))
         results[order] = (sorted((i, o.token_ids) for i, o in outs), engine.stats_summary())
-    assert results["prefix"][0] == results["fifo"][0]
-    hit_prefix, hit_fifo = (results[o][1]["prefix_cache_hit_rate"] for o in ("prefix", "fifo"))
+    assert results["prefix"][0] == results["fifo"][0] == results["length"][0]
+    hit_prefix, hit_fifo, hit_length = (results[o][1]["prefix_cache_hit_rate"] for o in ("prefix", "fifo", "length"))
     # prefix order: the first row of each instruction computes it, 5 find it (5/6 of 48/50 tokens)
     assert hit_prefix > 0.7 and hit_fifo < 0.3, (hit_prefix, hit_fifo)
+    # length-aware admission keeps prefix order while lengths are not predictable (all rows 3 tokens)
+    assert hit_length == hit_prefix
 
 
 def test_option_from_dask_config_and_bad_values(mixtral) -> None:
