@@ -4,15 +4,9 @@
     out = ddf.map_partitions(batchgen.generate, model=path, max_tokens=64)
     batchgen.cluster.metrics(client)              # per-worker load while it runs
 
-Modules: generate (the partition function), frame (pandas in/out, meta calls), spec (engine
-key), runner (an engine and its loop thread), engines (a host's runners), job (rows a task waits
-for), host (jobs, migration), worker (worker extension, RPC handlers, load push), plugin (scheduler plugin),
-client (connect / disconnect / release), dataframe, monitor (metrics, progress), output_columns
-(the columns generate adds), devices (which GPU each local worker sees), eligibility and
-delegate (which workers may hold engines; rows of the others handed to them), dashboard (the
-dashboard's batchgen page), html_report (that page as one HTML file).
-`generate` is bound eagerly (its module shares its name, and it imports nothing heavy); the
-other names load on first use, so `import batchgen` does not import distributed.
+The modules and their roles: docs/concepts/architecture.md#code-layout. `generate` is bound
+eagerly (its module shares its name and imports nothing heavy); the other names load on first
+use, so `import batchgen` does not import distributed.
 """
 from __future__ import annotations
 

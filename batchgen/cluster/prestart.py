@@ -1,18 +1,5 @@
-"""Cutting a job's fixed costs: engines load while the job is still being built and scheduled.
-
-Without this, every worker pays its engine start (torch import, weights, tokenizer, the first
-forward's one-time allocations) after its first task arrives, inside the job. Two things start it
-earlier:
-
-- `worker.warm_imports`, when the worker plugin is installed (`connect`): torch and the engine
-  modules are imported on a background thread, once per worker process.
-- `prestart(spec)`, from `batchgen.generate`'s meta call: Dask calls the partition function on an
-  empty frame while `map_partitions` builds the graph, on the client, before `compute()`. That
-  call knows the model and engine options, so it asks every worker (fire and forget,
-  `Client.run(wait=False)`) to start that engine now; by the time tasks land it is loading or
-  loaded. Without a connected batchgen cluster it does nothing; a worker that already has the
-  engine ignores it, and so does one that may not hold engines (eligibility.py). The engine is
-  the one the tasks would have started (same EngineSpec).
+"""Engines load while the job is still being built: `prestart(spec)` from `generate`'s meta call
+asks every eligible worker to start the job's engine now (docs/concepts/dask-plugin.md#engines-start-before-the-job).
 """
 from __future__ import annotations
 

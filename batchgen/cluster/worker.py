@@ -1,22 +1,6 @@
-"""The worker side: one Host per Dask worker, its RPC handlers, and the load pusher.
-
-Why a worker extension with RPC handlers and not a Dask actor holding the engine:
-
-- One engine per worker, on every worker, including workers that join or are restarted later:
-  a WorkerPlugin's `setup` runs on each of them. Actors are created by a client call per worker
-  and are not recreated when their worker dies; a lost actor fails every future that uses it.
-- Unchanged user code: `ddf.map_partitions(batchgen.generate, model=...)` finds the engine in
-  `get_worker().extensions`. With actors the graph would have to carry an actor handle per
-  worker, which a partition function on an arbitrary DataFrame cannot know.
-- Migration is worker-to-worker: the owner sends coroutine states straight to the holder's
-  `batchgen_adopt` handler and results come straight back to `batchgen_result`. The scheduler
-  plugin only decides. With actors every move would go through actor futures and the client.
-- Fault handling needs state that outlives a task and a peer: the owner keeps suspended states
-  until results arrive and resumes them when the holder vanishes. An extension sees the whole
-  worker (all its tasks' jobs); an actor sees only calls made to it.
-
-Handlers here run on the worker's event loop and never touch the engine: they queue commands
-for the engine's loop thread (runner.py).
+"""The worker side: one Host per Dask worker, its RPC handlers, and the load pusher. Why an
+extension and not an actor: docs/concepts/dask-plugin.md#why-a-worker-extension-and-not-an-actor.
+Handlers run on the worker's event loop and only queue commands for the engine's thread (runner.py).
 """
 from __future__ import annotations
 
