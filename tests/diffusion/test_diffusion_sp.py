@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("diffusers")
 
 import tiny_diffusion as tiny  # noqa: E402
+import tiny_wan  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
 
@@ -31,7 +32,8 @@ def pipes(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("sp")
     # 4 heads so degree 2 splits them; 12x12 latent / patch 2 = 36 tokens (sharded 18 + 18)
     return {"dit": tiny.build_dit(root / "dit", heads=4, sample_size=12),
-            "pixart": tiny.build_pixart(root / "pixart", heads=4, sched="dpm")}
+            "pixart": tiny.build_pixart(root / "pixart", heads=4, sched="dpm"),
+            "wan": tiny_wan.build_wan(root / "wan")}  # 2 heads; 9 frames of 32 x 48 px: 3 x 2 x 3 tokens
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +48,11 @@ def cluster():
         yield client, ranks
 
 
-def _warm(path: str) -> bool:
+def _warm(path: str, options: dict | None = None) -> bool:
     """A Dask task: this worker's engine for the pipeline, loaded."""
     from batchgen.diffusion.distributed.on_worker import on_engine
 
-    return on_engine(path, {}, lambda engine: engine.pipe is not None)
+    return on_engine(path, dict(options or {}), lambda engine: engine.pipe is not None)
 
 
 def _finish(engine: DiffusionEngine, state: bytes) -> np.ndarray:
@@ -61,7 +63,7 @@ def _finish(engine: DiffusionEngine, state: bytes) -> np.ndarray:
     return outs[0].array
 
 
-@pytest.mark.parametrize("family", ["dit", "pixart"])
+@pytest.mark.parametrize("family", ["dit", "pixart", "wan"])
 def test_degree_1_2_and_switch_mid_trajectory_equal_degree_1(pipes, cluster, family):
     from batchgen.diffusion.distributed.world import run_steps
 
@@ -70,6 +72,10 @@ def test_degree_1_2_and_switch_mid_trajectory_equal_degree_1(pipes, cluster, fam
     path = str(pipes[family])
     if family == "dit":
         req, opts = ImageRequest(class_label=2, num_inference_steps=6, guidance_scale=3.0, seed=1), {}
+    elif family == "wan":
+        req = ImageRequest(prompt="a small boat", height=32, width=48, num_frames=9, num_inference_steps=6,
+                           guidance_scale=3.0, seed=1)
+        opts = {"max_sequence_length": tiny_wan.TEXT_LENGTH}
     else:
         req = ImageRequest(prompt="a small boat", height=24, width=24, num_inference_steps=6, guidance_scale=3.0, seed=1)
         opts = {"max_sequence_length": tiny.T5_MAX_LENGTH}
@@ -176,6 +182,40 @@ def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, clus
     assert again[0].degrees == (1,) * 64 and again[1].degrees == (1,) * 2
     assert sum(s["sync_phases"] for s in stats) == 0  # no lockstep bought anything
     assert again[1].finished_at - t0 >= 0.5
+
+
+def test_elastic_driver_spreads_a_video_and_returns_its_frames(pipes, cluster):
+    """Wan on the elastic driver: a 9-frame video (3 x 4 x 5 = 60 tokens) spreads over both
+    workers once the small 5-frame one is done, as an image does; every video comes back as
+    one PNG per frame, equal to the single engine's within the sharding tolerance; a bad frame
+    count fails alone."""
+    from PIL import Image
+
+    from batchgen.diffusion.distributed.elastic import run_on_cluster
+    from batchgen.policy.diffusion_cost import CostModel
+    from batchgen.policy.diffusion_plan import ElasticOptions
+
+    client, _ = cluster
+    path = str(pipes["wan"])
+    opts = {"max_sequence_length": tiny_wan.TEXT_LENGTH}
+    cost = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.02)
+    client.gather([client.submit(_warm, path, opts, workers=[w], pure=False) for w in client.scheduler_info()["workers"]])
+    # 64 steps: the large one outlasts the small one's steps and its VAE decode (slow on a CPU)
+    large = ImageRequest(prompt="a boat", height=64, width=80, num_frames=9, num_inference_steps=64, seed=7)
+    small = [ImageRequest(prompt="a cat", height=16, width=16, num_frames=5, num_inference_steps=2, seed=1)]
+    reqs = [large, *small, ImageRequest(prompt="a dog", height=16, width=16, num_frames=6, num_inference_steps=2)]
+    stats: list = []
+    res = run_on_cluster(client, path, reqs, policy="fcfs", cost=cost, engine_options=opts,
+                         elastic=ElasticOptions(max_running=1, adapt=False), keep_arrays=True, stats=stats)
+    assert "num_frames 6" in res[-1].error and res[-1].frames is None
+    assert 2 in res[0].degrees, (res[0].degrees, [(r.worker, r.finished_at) for r in res], stats)
+    engine = DiffusionEngine(path, **opts)
+    for r, req in zip(res[:2], reqs[:2]):
+        alone = engine.generate_outputs([req])[0]
+        assert r.error is None and r.png is None and len(r.frames) == req.num_frames
+        assert np.abs(r.array - alone.array).max() <= 1e-5
+        first = np.asarray(Image.open(__import__("io").BytesIO(r.frames[0])))
+        assert np.array_equal(first, np.asarray(alone.frames[0]))
 
 
 def test_calibrate_cluster_fits_degree_terms_on_the_workers(pipes, cluster):

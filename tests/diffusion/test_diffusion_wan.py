@@ -220,7 +220,7 @@ def test_calibrate_times_wan_forwards(wan):
     pipe = load_pipeline(wan, max_sequence_length=tw.TEXT_LENGTH)
     cost = calibrate(pipe, rows=(1, 2), latents=(4, 8))
     assert cost.fixed >= 0 and cost.per_token >= 0
-    assert allowed_degrees(pipe, 4) == (1,)  # no sequence-parallel path: the elastic driver keeps degree 1
+    assert allowed_degrees(pipe, 4) == (1, 2)  # Ulysses splits its 2 heads
 
 
 def test_unsupported_wan_components_fail_at_load(wan, tmp_path):

@@ -12,7 +12,7 @@ runs free at degree 1. A worker that runs dry asks another for work: it is hande
 requests or trajectories (suspended at a step boundary, resumed exactly) or, where the pure plan
 says a trajectory runs faster spread over both, the two run lockstep rounds at degree > 1
 (elastic_sync.py) until it no longer does. The loops talk through the workers' mailboxes, worker
-to worker. Results come back as PNG bytes with their finish time.
+to worker. Results come back as PNG bytes (a video: one per frame) with their finish time.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import UnsupportedModelError
 from ...policy.diffusion_cost import CostModel
 from ...policy.diffusion_plan import ElasticOptions
 from ...policy.diffusion_steal import deal
@@ -113,9 +112,6 @@ def _views(model: str, engine_options: dict, requests: list[ImageRequest], arriv
     worker: its engine has the pipeline)."""
     def views(engine: Any) -> tuple[list[Any], bool]:
         pipe = engine.pipe
-        if pipe.is_video:  # its results are PNG bytes, one image each
-            raise UnsupportedModelError(f"{model}: the elastic driver runs image pipelines, not {pipe.pipeline_class}; "
-                                        "run videos with batchgen.diffuse or batchgen run")
         return [request_view(pipe, i, r, a, d) for i, (r, a, d) in enumerate(zip(requests, arrivals, deadlines))], \
             pipe.packs
     return on_engine(model, engine_options, views)

@@ -77,18 +77,20 @@ class Post:
 
 def request_view(pipe: Any, index: int, req: ImageRequest, arrival: float, deadline: float | None) -> TrajView:
     """The policy's view of a request not yet admitted (as the engine will see it)."""
-    h, w = req.height or pipe.native_size, req.width or pipe.native_size
+    h, w = req.height or pipe.native_hw[0], req.width or pipe.native_hw[1]
     f = pipe.vae_scale_factor
-    key = ((pipe.latent_channels, h // f, w // f),)
-    tokens = (h // f // pipe.patch_size) * (w // f // pipe.patch_size)
+    frames = (req.num_frames or pipe.default_frames) if pipe.is_video else None
+    depth = (pipe.latent_frames(frames),) if pipe.is_video else ()  # a video's latents: [C, F', h, w]
+    key = ((pipe.latent_channels, *depth, h // f, w // f),)
+    tokens = pipe.tokens(h, w, frames)
     rows = 2 if pipe.cfg_scale(req.guidance_scale) > 1 else 1
     return TrajView(index, key, tokens, rows, req.num_inference_steps, arrival, deadline)
 
 
 def allowed_degrees(pipe: Any, workers: int) -> tuple[int, ...]:
-    """Degrees the Ulysses split allows: they divide the attention heads (SD3, Flux and Wan: 1,
-    their forward has no sequence-parallel path)."""
-    if pipe.family in ("sd3", "flux", "wan"):
+    """Degrees the Ulysses split allows: they divide the attention heads (SD3 and Flux: 1, their
+    forward has no sequence-parallel path)."""
+    if pipe.family in ("sd3", "flux"):
         return (1,)
     heads = pipe.transformer.config.num_attention_heads
     return tuple(d for d in range(1, workers + 1) if heads % d == 0)
@@ -231,9 +233,10 @@ class Loop:
             if o.error is not None:
                 steps = []
             moved = len({owner for owner, _ in steps}) > 1
-            results.append(ImageResult(index, png_bytes(o.image) if o.error is None else None, o.error, time.time(),
-                                       self.address, moved, tuple(d for _, d in steps),
-                                       o.array if self.keep_arrays else None))
+            png = png_bytes(o.image) if o.image is not None else None
+            frames = [png_bytes(f) for f in o.frames] if o.frames is not None else None
+            results.append(ImageResult(index, png, o.error, time.time(), self.address, moved,
+                                       tuple(d for _, d in steps), o.array if self.keep_arrays else None, frames))
         if results:
             self.results += results
             self.post.to_others(("done", len(results)))

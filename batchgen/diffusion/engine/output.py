@@ -37,7 +37,8 @@ class ImageResult:
     worker: str              # the worker that decoded it
     migrated: bool = False
     degrees: tuple[int, ...] = ()   # elastic runs: the sequence-parallel degree of each step
-    array: Any = None        # keep_arrays: [H, W, 3] float32 before quantisation
+    array: Any = None        # keep_arrays: [H, W, 3] float32 before quantisation (a video's [F, H, W, 3])
+    frames: list[bytes] | None = None  # a video's frames as PNG bytes (png is None then)
 
 
 def png_bytes(image: Any) -> bytes:

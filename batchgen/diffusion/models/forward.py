@@ -28,11 +28,14 @@ def predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, cond: dict[str, to
             sp: UlyssesShard | None = None) -> torch.Tensor:
     """x: [B, C, h, w], t: [B] -> model output [B, C_out, h, w]. cond: DiT {"class_labels": [B]};
     PixArt {"embeds": [B, L, Dc], "mask": [B, L]} (+ "resolution" [B, 2], "aspect_ratio" [B, 1]);
-    SD3 / Flux: the rows the engine builds in engine/denoise.py (no sequence parallelism: their attention is diffusers')."""
-    if pipe.family in MMDIT or pipe.family == "wan":
+    SD3 / Flux: the rows the engine builds in engine/denoise.py (no sequence parallelism: their attention is diffusers');
+    Wan: x [B, C, F', h, w], cond {"embeds": [B, L, D]} (models/wan.py)."""
+    if pipe.family == "wan":
+        return predict_wan(pipe, x, t, cond, sp)
+    if pipe.family in MMDIT:
         if sp is not None:
             raise ValueError(f"sequence-parallel forwards are not implemented for {pipe.pipeline_class}")
-        return predict_wan(pipe, x, t, cond) if pipe.family == "wan" else predict_mmdit(pipe, x, t, cond)
+        return predict_mmdit(pipe, x, t, cond)
     if sp is None and pipe.packs:
         return predict_packed(pipe, [(x, t, cond)])[0]
     m = pipe.transformer
