@@ -2,6 +2,9 @@
 
 Tiny random DiT pipeline (diffusers-built), small (16x16 px: 16 tokens) and large (48x48 px:
 144 tokens) images, 10-50 steps each, arrival order shuffled, all submitted at t = 0.
+--family wan: a tiny random Wan 2.1 pipeline (tests/helpers/tiny_wan.py) and a video job of the
+same shape: small (5 frames of 16x16 px: 2 tokens) and large (9 frames of 48x48 px: 27 tokens)
+videos, prompts instead of class labels, and the videos' VAE decodes (slow on a CPU).
 80 requests by default: with 8 in flight per worker, 40 are 2.5 static batches per worker and the
 draw of the job decides much of the ratio (the calibrated cost model's estimate, before forwards
 were packed, of static / batchgen makespan over seeds 0-9: 1.38-1.95 at 40 requests, 1.43-1.62
@@ -37,6 +40,7 @@ their median.
 
     python benchmarks/bench_diffusion.py --systems static batchgen free --repeats 3   # ~2 minutes on 2 quiet cores
     python benchmarks/bench_diffusion.py --requests 16 --repeats 1   # smoke run
+    python benchmarks/bench_diffusion.py --family wan --requests 16 --repeats 1
 """
 from __future__ import annotations
 
@@ -72,41 +76,59 @@ def _static_on(pipe: Any, reqs: list[Any]) -> float:
 
     subs: dict[tuple, list[Any]] = {}
     for r in reqs:
-        subs.setdefault((r.height, r.width, (r.guidance_scale or 0) > 1), []).append(r)
+        subs.setdefault((r.height, r.width, r.num_frames, (r.guidance_scale or 0) > 1), []).append(r)
     with torch.no_grad():
-        for (h, w, cfg), rs in subs.items():
+        for (h, w, frames, cfg), rs in subs.items():
             rows = len(rs) * (2 if cfg else 1)
-            x = torch.randn(rows, pipe.latent_channels, h // pipe.vae_scale_factor, w // pipe.vae_scale_factor)
-            labels = torch.tensor([r.class_label for r in rs] + ([pipe.null_class] * len(rs) if cfg else []))
+            depth = (pipe.latent_frames(frames),) if pipe.is_video else ()
+            x = torch.randn(rows, pipe.latent_channels, *depth, h // pipe.vae_scale_factor, w // pipe.vae_scale_factor)
+            if pipe.is_video:  # random text rows: the forwards' cost, not their images
+                cond = {"embeds": torch.randn(rows, pipe.text_length, int(pipe.transformer.config.text_dim))}
+            else:
+                cond = {"class_labels": torch.tensor([r.class_label for r in rs]
+                                                     + ([pipe.null_class] * len(rs) if cfg else []))}
             for step in range(max(r.num_inference_steps for r in rs)):
                 t = torch.full((rows,), 999 - step, dtype=torch.long)
-                x = predict(pipe, x, t, {"class_labels": labels})[:, :pipe.latent_channels]
+                x = predict(pipe, x, t, cond)[:, :pipe.latent_channels]
             decode(pipe, list(x[:len(rs)]))
     return time.time()
 
 
-def warm(model: str) -> bool:
+def warm(model: str, family: str) -> bool:
     """A Dask task: this worker's engine for the model loaded and run once."""
     from batchgen.diffusion import ImageRequest
     from batchgen.diffusion.distributed.on_worker import on_engine
 
-    on_engine(model, {}, lambda engine: engine.generate([ImageRequest(class_label=0, num_inference_steps=2,
-                                                                      height=16, width=16)]))
+    req = (ImageRequest(prompt="a fox", num_frames=5, num_inference_steps=2, height=16, width=16) if family == "wan"
+           else ImageRequest(class_label=0, num_inference_steps=2, height=16, width=16))
+    on_engine(model, {}, lambda engine: engine.generate([req]))
     return True
 
 
-def make_job(n: int, seed: int) -> list[Any]:
+PROMPTS = ("a red fox in the snow", "a boat", "the city at night, in the rain", "two cats")
+
+
+def make_job(n: int, seed: int, family: str = "dit") -> list[Any]:
     from batchgen.diffusion import ImageRequest
 
     rng = random.Random(seed)
     reqs = []
     for i in range(n):
-        size = 48 if rng.random() < 0.4 else 16
-        reqs.append(ImageRequest(class_label=rng.randrange(10), height=size, width=size,
-                                 num_inference_steps=rng.randint(10, 50), guidance_scale=rng.choice([1.0, 4.0]),
-                                 seed=i))
+        large = rng.random() < 0.4
+        size = 48 if large else 16
+        what = ({"prompt": rng.choice(PROMPTS), "num_frames": 9 if large else 5} if family == "wan"
+                else {"class_label": rng.randrange(10)})
+        reqs.append(ImageRequest(height=size, width=size, num_inference_steps=rng.randint(10, 50),
+                                 guidance_scale=rng.choice([1.0, 4.0]), seed=i, **what))
     rng.shuffle(reqs)
     return reqs
+
+
+def tokens(req: Any, family: str) -> int:
+    """The request's image tokens (Wan: every latent frame's 2x2 patches of the 8x latents)."""
+    if family == "wan":
+        return ((req.num_frames - 1) // 4 + 1) * (req.height // 16) * (req.width // 16)
+    return (req.height // 4) ** 2  # patch 2 x VAE 2
 
 
 def _cpu() -> float:
@@ -159,6 +181,7 @@ def main() -> int:
     ap.add_argument("--slo", type=float, default=4.0, help="deadline = SLO x standalone time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", nargs="+", default=["static", "batchgen"], choices=("static", "batchgen", "free"))
+    ap.add_argument("--family", default="dit", choices=("dit", "wan"), help="wan: a video job on a tiny Wan 2.1")
     ap.add_argument("--no-pack", action="store_true",
                     help="ablation: batchgen's cost model with packed=False (one forward per latent shape and step)")
     args = ap.parse_args()
@@ -172,17 +195,22 @@ def main() -> int:
     from batchgen.policy.diffusion_step import TrajView, best_degree, remaining_work
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_diffusion_"))
-    model = str(tiny.build_dit(tmp / "dit", layers=4, heads=4, head_dim=16))
-    reqs = make_job(args.requests, seed=0)
+    if args.family == "wan":
+        import tiny_wan
+
+        model = str(tiny_wan.build_wan(tmp / "wan"))
+    else:
+        model = str(tiny.build_dit(tmp / "dit", layers=4, heads=4, head_dim=16))
+    reqs = make_job(args.requests, seed=0, family=args.family)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                       env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as cluster, Client(cluster) as client:
-        client.gather([client.submit(warm, model, workers=[w], pure=False)
+        client.gather([client.submit(warm, model, args.family, workers=[w], pure=False)
                        for w in client.scheduler_info()["workers"]])
         cost = calibrate_cluster(client, model, rows=(1, 4, 8, 12, 16), latents=(8, 24), repeats=5)
         if args.no_pack:
             cost = replace(cost, packed=False)
         print(f"cost model (these workers): {cost}", file=sys.stderr)
-        for n, px in ((16, 16), (144, 48)):
+        for n, px in ((2, 16), (27, 48)) if args.family == "wan" else ((16, 16), (144, 48)):
             for rows in (1, 2, 8):
                 t1, t2 = cost.step_time(rows * n, n, 1), cost.step_time(rows * n, n, 2)
                 print(f"  {px} px ({n} tokens) x {rows} rows: degree 1 {t1 * 1e3:6.1f} ms, degree 2 "
@@ -191,7 +219,7 @@ def main() -> int:
                       file=sys.stderr)
         deadlines = []
         for r in reqs:
-            n = (r.height // 4) ** 2  # patch 2 x VAE 2
+            n = tokens(r, args.family)
             alone = remaining_work(TrajView(0, (), n, 2 if (r.guidance_scale or 0) > 1 else 1, r.num_inference_steps, 0.0), cost)
             deadlines.append(args.slo * alone)
         best: dict[str, tuple] = {}
@@ -216,7 +244,8 @@ def main() -> int:
                     best[name] = (mk, sum(lat) / len(lat), over, moved, spread, looser)
                 cpus.setdefault(name, []).append(cpu)
                 spans.setdefault(name, []).append(mk)
-    print(f"requests {args.requests} (sizes 16/48 px, 10-50 steps, CFG mixed), policy {args.policy}, "
+    what = "videos of 5/9 frames, 16/48 px" if args.family == "wan" else "images of 16/48 px"
+    print(f"requests {args.requests} ({what}, 10-50 steps, CFG mixed), policy {args.policy}, "
           f"static batch {args.static_batch}, {'not packed, ' if args.no_pack else ''}best of {args.repeats}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     s = best.get("static")
     for name in ("batchgen", "free"):
