@@ -90,8 +90,7 @@ def simulate_all(workload: Workload, cost: CostModel, engine: EngineSimConfig, p
     variants = [p for p in policies if isinstance(p, BatchGen) and p.admission != engine.admission]
     if variants or len({type(p) for p in policies}) < len(policies):
         rest = tuple(p for p in policies if p not in variants)
-        kinds = {type(p) for p in rest}
-        if len(kinds) < len(rest):
+        if len({type(p) for p in rest}) < len(rest):
             raise PlanError("simulate each policy kind once (besides batchgen variants)")
         done = {r.policy: r for r in (simulate_all(workload, cost, engine, rest, cluster, keep_timelines)
                                       if rest else ())}
