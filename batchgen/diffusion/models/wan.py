@@ -1,6 +1,6 @@
 """Wan 2.1 text-to-video (diffusers' WanPipeline) for a group of one latent shape, at a timestep per
-sample: its prompt cleaning, conditioning rows, transformer call and VAE decode, as the pipeline
-makes them per video.
+sample: its prompt cleaning, text rows, transformer call and VAE decode, as the pipeline makes
+them per video (the engine puts each step's rows together: engine/denoise.py).
 
 The transformer is diffusers' WanTransformer3DModel, called as a whole at degree 1 (its forward
 takes one timestep per sample); a sequence-parallel forward runs its parts with the tokens
