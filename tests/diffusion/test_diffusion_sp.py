@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,6 +134,34 @@ def test_diffuse_on_local_cluster(pipes, cluster, tmp_path):
         # rows 0 and 1 ran in one packed forward on the cluster, alone here: equal to 1e-5 in
         # the latents, so to within one level of uint8
         assert np.abs(png.astype(int) - np.asarray(ref).astype(int)).max() <= 1
+
+
+def test_diffuse_videos_on_local_cluster(pipes, cluster, tmp_path):
+    """Wan rows through the cluster runtime: the frames come back from the workers' engines and
+    are written as PNGs (and an MP4 where PyAV is installed); a bad frame count fails its row."""
+    import dask.dataframe as dd
+    import pandas as pd
+    from PIL import Image
+
+    import batchgen
+
+    opts = {"max_sequence_length": tiny_wan.TEXT_LENGTH}
+    pdf = pd.DataFrame({"prompt": ["a red fox", "a cat", "a dog"], "num_frames": [5, 9, 7],
+                        "height": [16, 32, 16], "width": [16, 16, 16], "seed": [0, 1, 2]})
+    got = dd.from_pandas(pdf, npartitions=2).map_partitions(
+        batchgen.diffuse, model=str(pipes["wan"]), output_dir=str(tmp_path / "videos"), engine_options=opts,
+        num_inference_steps=2).compute()
+    assert got["error"].isna().tolist() == [True, True, False] and "num_frames 7" in got["error"][2]
+    assert got["image_path"].isna().all()
+    engine = DiffusionEngine(pipes["wan"], **opts)
+    for i in (0, 1):
+        frames = sorted(Path(got["frames_dir"][i]).glob("*.png"))
+        ref = engine.generate([ImageRequest(prompt=pdf.prompt[i], num_frames=int(pdf.num_frames[i]), seed=i,
+                                            height=int(pdf.height[i]), width=16, num_inference_steps=2)])[0]
+        assert len(frames) == len(ref) == pdf.num_frames[i]
+        for path, want in zip(frames, ref):
+            assert np.abs(np.asarray(Image.open(path)).astype(int) - np.asarray(want).astype(int)).max() <= 1
+        assert pd.isna(got["video_path"][i]) or got["video_path"][i].endswith(".mp4")
 
 
 def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, cluster):
