@@ -243,3 +243,9 @@ def test_unsupported_wan_components_fail_at_load(wan, tmp_path):
     (two / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(UnsupportedModelError, match="transformer_2"):
         DiffusionEngine(two)
+    ti2v = shutil.copytree(wan, tmp_path / "ti2v")
+    index = json.loads((ti2v / "model_index.json").read_text())
+    index["expand_timesteps"] = True
+    (ti2v / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(UnsupportedModelError, match="expand_timesteps"):
+        DiffusionEngine(ti2v)

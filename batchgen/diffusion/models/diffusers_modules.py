@@ -4,7 +4,8 @@ diffusers keeps some modules of some models in fp32 whatever the dtype (`_keep_i
 Wan's time embedding, norms, modulation tables, rotary tables), and loads such a model only with
 `accelerate` installed (low_cpu_mem_usage). Without it we load the weights in fp32 through the
 same from_pretrained, then cast every other parameter to the dtype: the same tensors, without a
-dependency the rest of batchgen does not need.
+dependency the rest of batchgen does not need (but 4 bytes a parameter while loading: install
+accelerate for a large checkpoint, e.g. Wan 2.1 14B, and diffusers loads it in its dtype).
 """
 from __future__ import annotations
 

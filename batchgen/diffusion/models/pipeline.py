@@ -231,6 +231,9 @@ def read_index(path: str | os.PathLike) -> tuple[Path, dict[str, Any], str]:
     extra = index.get("transformer_2")
     if family == "wan" and extra and extra[1] is not None:
         raise UnsupportedModelError(f"{root}: a WanPipeline with transformer_2 (Wan 2.2's two experts) is not supported")
+    if family == "wan" and index.get("expand_timesteps"):
+        raise UnsupportedModelError(f"{root}: a WanPipeline with expand_timesteps (Wan 2.2 TI2V: a timestep per "
+                                    "token) is not supported")
     return root, index, cls
 
 
