@@ -16,7 +16,8 @@ the simulator drives the same object. Design and figures: docs/benchmarks/sim.md
 - `expected_remaining(age, cap)`: a running row's expected tokens still to come given it has
   generated `age`, from a Kaplan-Meier estimate over the finished lengths (rows still running
   count as censored at their age: long rows finish last, so finished rows alone understate).
-  With heavy-tailed lengths it grows with age.
+  With heavy-tailed lengths it grows with age. No decision uses it yet: acting on age (moving
+  old rows to workers of their own) did not pay in the simulator (docs/benchmarks/sim.md).
 """
 from __future__ import annotations
 
