@@ -28,6 +28,10 @@ from .sequence import Sequence
 
 GroupOf = Callable[[Sequence], Hashable | None]
 Lane = tuple[Hashable, int]
+# Entries taken through one order wait in the other until they reach its head; past this many
+# (and more than the rows waiting), or when none waits, they are dropped at once: a long job would
+# otherwise keep every row it ever ran alive here.
+COMPACT_AT = 1024
 
 
 def no_group(seq: Sequence) -> None:
@@ -49,6 +53,7 @@ class LengthOrderedQueue:
         self._lanes: dict[Lane, deque[tuple[int, Sequence]]] = {}
         self._stale_today: Counter[Sequence] = Counter()  # entries already taken through a lane
         self._stale_lanes: Counter[Sequence] = Counter()  # entries already taken through today's queue
+        self._num_stale = 0  # entries in both counters
         self._arrival = itertools.count()
         self._count = 0
         self._head: tuple[int, Lane] | None = None  # (predictor version, lane), while nothing changed
@@ -81,11 +86,35 @@ class LengthOrderedQueue:
             self._drop_stale(self._stale_today, self._today.popleft())
         return self._today[0]
 
-    @staticmethod
-    def _drop_stale(stale: Counter[Sequence], seq: Sequence) -> None:
+    def _drop_stale(self, stale: Counter[Sequence], seq: Sequence) -> None:
         stale[seq] -= 1
+        self._num_stale -= 1
         if not stale[seq]:
             del stale[seq]
+
+    def _mark(self, stale: Counter[Sequence], seq: Sequence) -> None:
+        stale[seq] += 1
+        self._num_stale += 1
+
+    def _compact(self) -> None:
+        """Drop every stale entry now (each order keeps its live rows in their order)."""
+        def wanted(stale: Counter[Sequence]) -> Callable[[Sequence], bool]:
+            def keep(seq: Sequence) -> bool:  # a row's stale entries are its earliest ones
+                if stale[seq]:
+                    stale[seq] -= 1
+                    return False
+                return True
+            return keep
+
+        if isinstance(self._today, PrefixOrderedQueue):
+            self._today.keep(wanted(self._stale_today))
+        else:
+            self._today = deque(filter(wanted(self._stale_today), self._today))
+        keep_lane = wanted(self._stale_lanes)
+        lanes = {k: deque(x for x in rows if keep_lane(x[1])) for k, rows in self._lanes.items()}
+        self._lanes = {k: rows for k, rows in lanes.items() if rows}
+        self._stale_today, self._stale_lanes, self._num_stale = Counter(), Counter(), 0
+        self._head = None
 
     def _lane(self) -> Lane:
         """The lane predicted longest (ties: the earlier head); only while predictions are used."""
@@ -117,25 +146,31 @@ class LengthOrderedQueue:
             raise IndexError("waiting queue is empty")
         if self.predictor.confident:
             seq = self._lanes[self._lane()].popleft()[1]
-            self._stale_today[seq] += 1
+            self._mark(self._stale_today, seq)
         else:
             seq = self._today_head()
             self._today.popleft()
-            self._stale_lanes[seq] += 1
+            self._mark(self._stale_lanes, seq)
         self._head = None  # the lane's next head arrived later: another lane may go first now
         self._count -= 1
+        self._maybe_compact()
         return seq
+
+    def _maybe_compact(self) -> None:
+        if self._num_stale and (not self._count or self._num_stale > max(COMPACT_AT, self._count)):
+            self._compact()
 
     def remove(self, seq: Sequence) -> None:
         if seq in self._front:  # Sequence compares by identity
             self._front.remove(seq)
         elif self._live_entries(seq) > 0:
-            self._stale_today[seq] += 1
-            self._stale_lanes[seq] += 1
+            self._mark(self._stale_today, seq)
+            self._mark(self._stale_lanes, seq)
             self._head = None
         else:
             raise ValueError("sequence is not waiting")
         self._count -= 1
+        self._maybe_compact()
 
     def _live_entries(self, seq: Sequence) -> int:
         entries = sum(s is seq for _, s in self._lanes.get(self.lane_of(seq), ()))

@@ -81,3 +81,9 @@ class PrefixOrderedQueue:
         yield from self._front
         yield from self._epoch
         yield from self._arrivals
+
+    def keep(self, wanted: Callable[[Sequence], bool]) -> None:
+        """Drop the rows `wanted` refuses, asked in admission order (as __iter__ gives them)."""
+        self._front = deque(s for s in self._front if wanted(s))
+        self._epoch = deque(s for s in self._epoch if wanted(s))
+        self._arrivals = [s for s in self._arrivals if wanted(s)]

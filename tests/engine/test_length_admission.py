@@ -198,3 +198,33 @@ def test_length_admission_without_predictions_is_the_fifo_scheduler() -> None:
                         s.release(item.seq)
         plans.append(trace)
     assert plans[0] == plans[1] and len(plans[0]) > 20
+
+
+def test_a_long_stream_keeps_order_and_drops_what_it_served() -> None:
+    """Rows taken through one order leave the other too (compacted), and the order holds across."""
+    p = taught()
+    groups: dict[int, str] = {}
+    q = LengthOrderedQueue(p, lambda s: groups[int(s.seq_id)])
+    served: list[int] = []
+    for i in range(3000):
+        groups[i] = "b" if i % 3 == 0 else "a"
+        q.append(seq(i))
+        if i % 2:
+            served.append(int(q.popleft().seq_id))
+    while q:
+        served.append(int(q.popleft().seq_id))
+    assert sorted(served) == list(range(3000))
+    long_rows = [i for i in served[:1000] if groups[i] == "b"]
+    assert long_rows == sorted(long_rows)  # arrival order within a lane
+    # while waiting rows of group b remain, none of group a is served before them
+    for k, i in enumerate(served):
+        if groups[i] == "a":
+            assert all(groups[j] == "a" for j in served[k:] if j < i), i
+            break
+    assert len(q._today) == 0 and sum(len(rows) for rows in q._lanes.values()) == 0  # noqa: SLF001
+    q2 = LengthOrderedQueue(p, lambda s: groups[int(s.seq_id)])
+    for i in range(3000):
+        q2.append(seq(i))
+    for _ in range(2500):
+        q2.popleft()
+    assert len(q2) == 500 == len(list(q2)) and len(q2._today) <= 500 + 1024  # noqa: SLF001
