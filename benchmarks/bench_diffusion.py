@@ -3,8 +3,10 @@
 Tiny random DiT pipeline (diffusers-built), small (16x16 px: 16 tokens) and large (48x48 px:
 144 tokens) images, 10-50 steps each, arrival order shuffled, all submitted at t = 0.
 --family wan: a tiny random Wan 2.1 pipeline (tests/helpers/tiny_wan.py) and a video job of the
-same shape: small (5 frames of 16x16 px: 2 tokens) and large (9 frames of 48x48 px: 27 tokens)
-videos, prompts instead of class labels, and the videos' VAE decodes (slow on a CPU).
+same shape: 16x16 and 48x48 px videos of 9-81 frames (a long tail: most 9-17, a few 69-81;
+1-9 tokens per latent frame), prompts instead of class labels, and the videos' VAE decodes.
+Compare with `--static-batch 1`: one request at a time per worker, the usual way a video
+pipeline is called.
 80 requests by default: with 8 in flight per worker, 40 are 2.5 static batches per worker and the
 draw of the job decides much of the ratio (the calibrated cost model's estimate, before forwards
 were packed, of static / batchgen makespan over seeds 0-9: 1.38-1.95 at 40 requests, 1.43-1.62
@@ -116,8 +118,9 @@ def make_job(n: int, seed: int, family: str = "dit") -> list[Any]:
     for i in range(n):
         large = rng.random() < 0.4
         size = 48 if large else 16
-        what = ({"prompt": rng.choice(PROMPTS), "num_frames": 9 if large else 5} if family == "wan"
-                else {"class_label": rng.randrange(10)})
+        # videos: 9-81 frames (Wan takes 4k + 1), a long tail as real clip lengths have
+        what = ({"prompt": rng.choice(PROMPTS), "num_frames": 4 * min(20, int(rng.paretovariate(1.2)) + 1) + 1}
+                if family == "wan" else {"class_label": rng.randrange(10)})
         reqs.append(ImageRequest(height=size, width=size, num_inference_steps=rng.randint(10, 50),
                                  guidance_scale=rng.choice([1.0, 4.0]), seed=i, **what))
     rng.shuffle(reqs)
@@ -244,7 +247,7 @@ def main() -> int:
                     best[name] = (mk, sum(lat) / len(lat), over, moved, spread, looser)
                 cpus.setdefault(name, []).append(cpu)
                 spans.setdefault(name, []).append(mk)
-    what = "videos of 5/9 frames, 16/48 px" if args.family == "wan" else "images of 16/48 px"
+    what = "videos of 9-81 frames, 16/48 px" if args.family == "wan" else "images of 16/48 px"
     print(f"requests {args.requests} ({what}, 10-50 steps, CFG mixed), policy {args.policy}, "
           f"static batch {args.static_batch}, {'not packed, ' if args.no_pack else ''}best of {args.repeats}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     s = best.get("static")
