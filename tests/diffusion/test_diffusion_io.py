@@ -159,8 +159,9 @@ class _Painter:
     def __init__(self, stop_after: int | None = None) -> None:
         self.left, self.ran = stop_after, 0
 
-    def run(self, lines: Iterable[list[ImageRequest]], max_in_flight: int) -> Iterator[tuple[int, LineResult]]:
-        for position, images in enumerate(lines):
+    def run(self, lines: Iterable[tuple[list[ImageRequest], str]], max_in_flight: int
+            ) -> Iterator[tuple[int, LineResult]]:
+        for position, (images, _) in enumerate(lines):
             if self.left is not None:
                 if self.left == 0:
                     raise KeyboardInterrupt

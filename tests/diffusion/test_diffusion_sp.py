@@ -1,6 +1,7 @@
 """Elastic Ulysses sequence parallelism across Dask worker processes over group-free collectives."""
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import tiny_diffusion as tiny  # noqa: E402
 import tiny_wan  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
+from batchgen.diffusion.jobs.video_files import can_write_mp4  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real LocalCluster of worker processes
 
@@ -161,7 +163,13 @@ def test_diffuse_videos_on_local_cluster(pipes, cluster, tmp_path):
         assert len(frames) == len(ref) == pdf.num_frames[i]
         for path, want in zip(frames, ref):
             assert np.abs(np.asarray(Image.open(path)).astype(int) - np.asarray(want).astype(int)).max() <= 1
-        assert pd.isna(got["video_path"][i]) or got["video_path"][i].endswith(".mp4")
+        if can_write_mp4():
+            import av
+
+            with av.open(got["video_path"][i]) as mp4:
+                assert sum(1 for _ in mp4.decode(video=0)) == pdf.num_frames[i]
+        else:
+            assert pd.isna(got["video_path"][i])
 
 
 def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, cluster):
@@ -243,8 +251,9 @@ def test_elastic_driver_spreads_a_video_and_returns_its_frames(pipes, cluster):
         alone = engine.generate_outputs([req])[0]
         assert r.error is None and r.png is None and len(r.frames) == req.num_frames
         assert np.abs(r.array - alone.array).max() <= 1e-5
-        first = np.asarray(Image.open(__import__("io").BytesIO(r.frames[0])))
-        assert np.array_equal(first, np.asarray(alone.frames[0]))
+        first = np.asarray(Image.open(io.BytesIO(r.frames[0]))).astype(int)
+        # within the arrays' 1e-5, a pixel can round to the next level (degree 2 sums in another order)
+        assert np.abs(first - np.asarray(alone.frames[0]).astype(int)).max() <= 1
 
 
 def test_calibrate_cluster_fits_degree_terms_on_the_workers(pipes, cluster):

@@ -249,3 +249,25 @@ def test_unsupported_wan_components_fail_at_load(wan, tmp_path):
     (ti2v / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(UnsupportedModelError, match="expand_timesteps"):
         DiffusionEngine(ti2v)
+
+
+def test_b64_json_for_a_video_fails_its_line_even_without_num_frames() -> None:
+    """A line may leave num_frames out on a video model (its default length): the reader cannot
+    know it asked for a video, so the backend refuses b64_json once the frames come back."""
+    from PIL import Image
+
+    from batchgen.diffusion.engine.output import ImageOutput
+    from batchgen.diffusion.jobs.images_batch import DiffusionBackend
+
+    def stream(requests, in_flight):  # noqa: ANN001, ANN202 - a stand-in for an engine's stream
+        for i, req in enumerate(requests):
+            frame = Image.new("RGB", (2, 2))
+            yield i, (ImageOutput(index=i, frames=[frame] * 5) if req.prompt == "video"
+                      else ImageOutput(index=i, image=frame))
+
+    lines = [([ImageRequest(prompt="video")], "b64_json"), ([ImageRequest(prompt="video")], "url"),
+             ([ImageRequest(prompt="image")], "b64_json")]
+    got = dict(DiffusionBackend(stream).run(iter(lines), 8))
+    assert "body.response_format" in got[0].error and got[0].images == []
+    assert got[1].error is None and len(got[1].images[0]) == 5
+    assert got[2].error is None and got[2].images[0].size == (2, 2)

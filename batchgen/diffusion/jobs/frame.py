@@ -5,8 +5,8 @@
 
 Each row is one ImageRequest: columns named like its fields (prompt or class_label, height,
 width, num_inference_steps, guidance_scale, seed, num_frames; missing column or NA: the keyword
-default). A row with num_frames is a video (Wan): its frames go to a folder of PNGs and an MP4
-beside it (with the `video` extra).
+default). On a video model (Wan) every row is a video: its frames go to a folder of PNGs and
+an MP4 beside it (with the `video` extra).
 PNG names are content hashes of (model, request), so a rerun or a retried partition rewrites
 the same file. The rows join this worker's engine for the model (the cluster runtime's, as text
 rows do: every partition on a worker is combined into its steps, and rows migrate between
@@ -73,7 +73,11 @@ def diffuse(pdf: pd.DataFrame, *, model: str | Path, output_dir: str | Path,
         if res.error:
             errors[i] = f"row {pdf.index[i]!r}: {res.error}"
         elif res.frames is not None:
-            files = write_video(outdir, _name(model_key, reqs[i]), res.frames)
+            try:
+                files = write_video(outdir, _name(model_key, reqs[i]), res.frames)
+            except Exception as exc:  # noqa: BLE001 - a codec or disk fault fails this row, not the partition
+                errors[i] = f"row {pdf.index[i]!r}: writing the video failed: {type(exc).__name__}: {exc}"
+                continue
             mp4s[i] = pd.NA if files.mp4 is None else str(files.mp4)
             dirs[i] = str(files.frames_dir)
         else:
@@ -111,6 +115,6 @@ INT_FIELDS = ("class_label", "height", "width", "num_inference_steps", "seed", "
 def _name(model_key: str, req: ImageRequest) -> str:
     # an image request hashes as before num_frames existed: a rerun rewrites the same PNG
     text = repr((model_key, req))
-    if req.num_frames is None:
-        text = text.replace(", num_frames=None", "")
+    if req.num_frames is None:  # the last field: only the end of the text may lose it
+        text = text.removesuffix(", num_frames=None))") + "))"
     return hashlib.sha1(text.encode()).hexdigest()[:20]

@@ -38,6 +38,8 @@ IMAGE_FORMATS = Formats(inputs=(".jsonl",), outputs=(".jsonl", ".parquet"), job=
                         remote=False)
 
 
+# a line's image requests and its response_format
+ImageLine = tuple[list[ImageRequest], str]
 # (image requests, the most in flight) -> (position in the requests, output) as each finishes
 ImageStream = Callable[[Iterable[ImageRequest], int], Iterator[tuple[int, ImageOutput]]]
 
@@ -62,14 +64,16 @@ class DiffusionBackend:
     def __init__(self, images: ImageStream, *, max_images: int = 256) -> None:
         self.stream, self.max_images, self.images = images, max_images, 0
 
-    def run(self, lines: Iterable[list[ImageRequest]], max_in_flight: int) -> Iterator[tuple[int, LineResult]]:
+    def run(self, lines: Iterable[ImageLine], max_in_flight: int) -> Iterator[tuple[int, LineResult]]:
         owner: dict[int, tuple[int, int]] = {}  # stream position -> (line position, image number)
         parts: dict[int, list[ImageOutput | None]] = {}  # line position -> its images so far
+        formats: dict[int, str] = {}  # line position -> its response_format
         stream_position = itertools.count()
 
         def images() -> Iterator[ImageRequest]:
-            for position, requests in enumerate(lines):
+            for position, (requests, response_format) in enumerate(lines):
                 parts[position] = [None] * len(requests)
+                formats[position] = response_format
                 for i, req in enumerate(requests):
                     owner[next(stream_position)] = (position, i)
                     yield req
@@ -82,15 +86,18 @@ class DiffusionBackend:
                 continue
             del parts[position]
             error = next((o.error for o in done if o.error), None)  # type: ignore[union-attr]
+            if error is None and formats.pop(position) == "b64_json" and any(o.frames is not None for o in done):
+                # a line without num_frames learns only now that this model makes videos
+                error = "body.response_format: must be 'url' for a video (this model makes videos), got 'b64_json'"
             self.images += len(done) if error is None else 0
-            yield position, LineResult([o.result for o in done], error)  # type: ignore[union-attr]
+            yield position, LineResult([o.result for o in done] if error is None else [], error)  # type: ignore[union-attr]
 
     def progress_status(self) -> str:
         return f"{self.images} images"
 
 
-# work item: an ImageRow's ImageRequests; amount: a LineResult's images
-IMAGES = Work(attrgetter("images"), lambda result: len(result.images), unit="images")
+# work item: an ImageRow's ImageRequests and response_format; amount: a LineResult's images
+IMAGES = Work(attrgetter("images", "response_format"), lambda result: len(result.images), unit="images")
 
 
 def run_images_job(spec: JobSpec, images: ImageStream, *, model_name: str, chunk_size: int = 256,

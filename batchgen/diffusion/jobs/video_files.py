@@ -7,6 +7,8 @@ Frames are always written (lossless, and readable without a codec); the MP4 is H
 from __future__ import annotations
 
 import importlib.util
+import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +49,16 @@ def _encode(path: Path, frames: Sequence[Any]) -> None:
     import numpy as np
 
     width, height = frames[0].size
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("libx264", rate=FPS)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for frame in frames:
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.asarray(frame.convert("RGB")), format="rgb24")))
-        out.mux(stream.encode())  # flush the encoder
+    # written whole or not at all: a failed encode or a concurrent writer of the same request
+    # never leaves a truncated file at the final name
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with av.open(str(tmp), "w", format="mp4") as out:
+            stream = out.add_stream("libx264", rate=FPS)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            for frame in frames:
+                out.mux(stream.encode(av.VideoFrame.from_ndarray(np.asarray(frame.convert("RGB")), format="rgb24")))
+            out.mux(stream.encode())  # an empty encode drains the frames the encoder still holds
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -259,6 +259,10 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
 
     from .packed import packable
 
+    missing = [name for name in (TRANSFORMERS[family], VAES.get(family, "AutoencoderKL")) if not hasattr(diffusers, name)]
+    if missing:  # Wan's classes came with diffusers 0.33, SD3's and Flux's with 0.29-0.30
+        raise UnsupportedModelError(f"{root}: {cls} needs diffusers' {', '.join(missing)}, which diffusers "
+                                    f"{diffusers.__version__} lacks; upgrade diffusers")
     transformer = load_module(getattr(diffusers, TRANSFORMERS[family]), root / "transformer", torch_dtype)
     vae = load_module(getattr(diffusers, VAES.get(family, "AutoencoderKL")), root / "vae", torch_dtype)
     pipe = Pipeline(path=root, pipeline_class=cls, family=family, transformer=transformer.to(device).eval(),
