@@ -12,22 +12,14 @@ the simulator drives the same object. Design and figures: docs/benchmarks/sim.md
   and over the last `window` / 4 finishes (shorter than the means' window, so a flip shows
   before the means have followed it) the keys' predictions (made before each row's own length
   was added) erred less, in |log| ratio, than the pooled mean of all rows by at least `margin`.
-  Otherwise `predict` returns None and the caller keeps arrival order: today's decisions.
-- `expected_remaining(age, cap)`: a running row's expected tokens still to come given it has
-  generated `age`, from a Kaplan-Meier estimate over the finished lengths (rows still running
-  count as censored at their age: long rows finish last, so finished rows alone understate).
-  With heavy-tailed lengths it grows with age. No decision uses it yet: acting on age (moving
-  old rows to workers of their own) did not pay in the simulator (docs/benchmarks/sim.md).
+  Otherwise `predict` returns None and the caller keeps arrival order: today's decisions. Rows
+  all of one length (every row stops at max_tokens) leave both errors at 0: nothing to act on.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-
-# log-spaced length bins for the survival curve: 4 a power of two, up to 2**20 tokens
-BINS_PER_OCTAVE = 4
-NUM_BINS = 20 * BINS_PER_OCTAVE + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +39,6 @@ class PredictorConfig:
 def length_key(group: Hashable | None, prompt_len: int) -> Hashable:
     """The key a row's statistics are kept under: its group, else its prompt-length bucket."""
     return group if group is not None else ("prompt", max(0, int(prompt_len)).bit_length())
-
-
-def length_bin(n: int) -> int:
-    return min(NUM_BINS - 1, int(BINS_PER_OCTAVE * math.log2(max(1, n))))
-
-
-def bin_start(b: int) -> float:
-    return 2.0 ** (b / BINS_PER_OCTAVE)
 
 
 @dataclass(slots=True)
@@ -80,7 +64,6 @@ class LengthPredictor:
     keys: dict[Hashable, _Mean] = field(default_factory=dict)
     key_error: float = 0.0  # recent mean |log| error of the keys' predictions
     pooled_error: float = 0.0  # the same for the pooled mean
-    histogram: list[int] = field(default_factory=lambda: [0] * NUM_BINS)  # finished rows per length bin
 
     def observe(self, key: Hashable, length: int) -> None:
         """A row of `key` finished after generating `length` tokens."""
@@ -92,7 +75,6 @@ class LengthPredictor:
             self.pooled_error += (_log_error(self.pooled.mean, length) - self.pooled_error) / n
         self.keys.setdefault(key, _Mean()).add(length, c.window)
         self.pooled.add(length, c.window)
-        self.histogram[length_bin(length)] += 1
         self.finished += 1
         self.version += 1
 
@@ -104,48 +86,11 @@ class LengthPredictor:
     def confident(self) -> bool:
         """Are the keys' predictions worth acting on (see the module docstring)?"""
         c = self.config
-        return self.finished >= c.min_finished and self.key_error <= (1.0 - c.margin) * self.pooled_error
+        return (self.finished >= c.min_finished and self.pooled_error > 0.0
+                and self.key_error <= (1.0 - c.margin) * self.pooled_error)
 
     def predict(self, key: Hashable, max_tokens: int) -> float | None:
         """Expected output tokens of a waiting row of `key`; None: no usable prediction."""
         if not self.confident:
             return None
         return min(self._mean(key), float(max_tokens))
-
-    def survival(self, running_ages: Iterable[int] = ()) -> list[float]:
-        """Kaplan-Meier S at each bin's start: the share of rows that generate at least that
-        many tokens; `running_ages` are rows still running (censored: at least their age)."""
-        censored = [0] * NUM_BINS
-        for age in running_ages:
-            censored[length_bin(age)] += 1
-        at_risk = sum(self.histogram) + sum(censored)  # rows that reached the current bin
-        s, out = 1.0, []
-        for b in range(NUM_BINS):
-            out.append(s)
-            if at_risk > 0:
-                s *= 1.0 - self.histogram[b] / at_risk
-            at_risk -= self.histogram[b] + censored[b]
-        return out
-
-    def expected_remaining(self, age: int, cap: int, survival: list[float] | None = None) -> float:
-        """E[length - age | length > age], at most cap - age (cap: the row's max_tokens), from the
-        survival curve (past the longest row seen it stays flat: the tail is not assumed to end).
-        Without finished rows: cap - age, the upper bound today's reports use."""
-        if cap <= age:
-            return 0.0
-        if not self.finished:
-            return float(cap - age)
-        s = survival if survival is not None else self.survival()
-        first = length_bin(age)
-        here = s[first]
-        if here <= 0.0:
-            return 0.0
-        total, lo = 0.0, float(age)
-        for b in range(first, NUM_BINS):
-            hi = min(bin_start(b + 1), float(cap))
-            if hi > lo:
-                total += (hi - lo) * s[b]
-            lo = max(lo, hi)
-            if lo >= cap:
-                break
-        return total / here

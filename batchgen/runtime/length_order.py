@@ -18,7 +18,6 @@ first, in order, as in the deque. No torch.
 """
 from __future__ import annotations
 
-import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterator
 
@@ -54,7 +53,7 @@ class LengthOrderedQueue:
         self._stale_today: Counter[Sequence] = Counter()  # entries already taken through a lane
         self._stale_lanes: Counter[Sequence] = Counter()  # entries already taken through today's queue
         self._num_stale = 0  # entries in both counters
-        self._arrival = itertools.count()
+        self._arrival = 0  # an int, not itertools.count: the queue pickles with its engine
         self._count = 0
         self._head: tuple[int, Lane] | None = None  # (predictor version, lane), while nothing changed
 
@@ -63,7 +62,8 @@ class LengthOrderedQueue:
 
     def append(self, seq: Sequence) -> None:
         self._today.append(seq)
-        self._lanes.setdefault(self.lane_of(seq), deque()).append((next(self._arrival), seq))
+        self._lanes.setdefault(self.lane_of(seq), deque()).append((self._arrival, seq))
+        self._arrival += 1
         self._count += 1
         self._head = None
 

@@ -107,3 +107,18 @@ def test_a_single_engine_learns_group_lengths_from_finished_rows(cost) -> None:
     assert isinstance(lengths, LengthPredictor) and lengths.finished == 600
     means = {k: v.mean for k, v in lengths.keys.items()}
     assert means[0] > 3 * means[1] > 3 * means[2]  # reasoning > chat > classification
+
+
+def test_age_isolation_with_no_row_old_enough_is_the_fluid_estimate_on_the_other_workers(cost) -> None:
+    """No row reaches min_age: the isolated workers stay empty and the rest run oblivious.fifo_bct
+    (to 0.2%: the two fluid models step their clocks differently; 0.04% apart here)."""
+    from batchgen.sim.age_isolation import age_isolated_bct
+    from batchgen.sim.oblivious import fifo_bct
+
+    w = synthetic("chat", 2_000, seed=0)
+    never = int(w.output_len.max()) + 1
+    shared_only = fifo_bct(w, cost, EngineSimConfig(), 6)
+    assert age_isolated_bct(w, cost, EngineSimConfig(), 8, never, isolated=2) == pytest.approx(shared_only, rel=2e-3)
+    # rows that do grow old move to the two other workers, and the end moves (on chat rows, later:
+    # old rows' steps are bound by their own KV, so small batches do not make up for the workers)
+    assert abs(age_isolated_bct(w, cost, EngineSimConfig(), 8, 256, isolated=2) / shared_only - 1) > 0.01
