@@ -271,3 +271,24 @@ def test_b64_json_for_a_video_fails_its_line_even_without_num_frames() -> None:
     assert "body.response_format" in got[0].error and got[0].images == []
     assert got[1].error is None and len(got[1].images[0]) == 5
     assert got[2].error is None and got[2].images[0].size == (2, 2)
+
+
+def test_a_prompt_the_text_encoder_fails_on_fails_alone(wan, monkeypatch) -> None:
+    """The encoder runs a few prompts per call; a call that raises is retried prompt by prompt."""
+    import batchgen.diffusion.engine.encoding as encoding
+
+    encode = encoding.encode_prompts
+
+    def fragile(pipe, prompts):  # noqa: ANN001, ANN202
+        if "poison" in prompts:
+            raise RuntimeError("out of memory (injected)")
+        return encode(pipe, prompts)
+
+    reqs = [ImageRequest(prompt=p, num_frames=5, height=16, width=16, num_inference_steps=2, seed=i)
+            for i, p in enumerate(["a fox", "poison", "a boat"])]
+    want = DiffusionEngine(wan).generate_outputs([reqs[0], reqs[2]])
+    monkeypatch.setattr(encoding, "encode_prompts", fragile)
+    outs = DiffusionEngine(wan).generate_outputs(reqs)
+    assert "text encoder failed" in outs[1].error and "out of memory (injected)" in outs[1].error
+    for got, ref in zip((outs[0], outs[2]), want):
+        assert got.error is None and np.abs(got.array - ref.array).max() <= 1e-5

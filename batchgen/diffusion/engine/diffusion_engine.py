@@ -28,6 +28,7 @@ from ..models.decode import decode, to_pil
 from ..models.pipeline import load_pipeline
 from .admission import IMAGE_TOKENS_OVER_NATIVE, request_error
 from .denoise import Live, new_scheduler, resumed, start, step_group, step_groups
+from .encoding import encode_conditions
 from .output import ImageOutput
 from .request import ImageRequest
 from .trajectory import Status, Trajectory, from_bytes, to_bytes
@@ -364,12 +365,13 @@ class DiffusionEngine:
         pipe = self.pipe
         if pipe.family != "dit":
             self._ensure_uncond()
-            for t, cond in zip(waiting, encode_prompts(pipe, [t.request.prompt for t in waiting])):
-                t.cond = cond
+            encode_conditions(pipe, waiting)
         else:
             for t in waiting:
                 t.cond = {"class_label": t.request.class_label}
         for t in waiting:
+            if t.status is Status.FAILED:  # its prompt could not be encoded
+                continue
             try:
                 self._live[t.tid] = start(pipe, t, self.device)
             except ValueError as exc:  # e.g. more steps than the scheduler's num_train_timesteps
