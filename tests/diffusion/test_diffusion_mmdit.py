@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import tiny_mmdit as tm  # noqa: E402
+from tiny_diffusion import run_resumed  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
 from batchgen.errors import ModelLoadError, RequestError, StateError, UnsupportedModelError  # noqa: E402
@@ -82,24 +83,15 @@ def test_suspend_resume_on_another_engine(dirs, family):
     data = first.suspend(tid)
     traj = pickle.loads(data)[1]
     assert traj.step == 2 and traj.scheduler_state["_step_index"] == 2
-    assert np.array_equal(_run(_engine(path), data)[0], whole)
+    assert np.array_equal(run_resumed(_engine(path), data)[0], whole)
     third = _engine(path)
     beside = ImageRequest(prompt="the dog", height=32, width=16, num_inference_steps=3, seed=7)
     third.add_request(beside)
-    got = _run(third, data)
+    got = run_resumed(third, data)
     assert third.num_forwards == 3  # the two shared every step
     for r, image in zip((beside, req), got):
         ref = tm.reference(path, r.prompt, r.height, r.width, r.num_inference_steps, r.guidance_scale, r.seed)
         assert _gap(image, ref) <= TOL
-
-
-def _run(engine: DiffusionEngine, data: bytes) -> list[np.ndarray]:
-    """Resume `data` on `engine` and run everything there -> images by engine id."""
-    engine.resume(data)
-    outs = []
-    while engine.has_unfinished():
-        outs += engine.step()
-    return [o.array for o in sorted(outs, key=lambda o: o.index)]
 
 
 def test_resume_refuses_another_text_length(dirs):

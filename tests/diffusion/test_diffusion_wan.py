@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import tiny_wan as tw  # noqa: E402
+from tiny_diffusion import run_resumed  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
 from batchgen.errors import RequestError  # noqa: E402
@@ -91,22 +92,14 @@ def test_suspend_resume_on_another_engine(dirs, sched):
     data = first.suspend(tid)
     traj = pickle.loads(data)[1]
     assert traj.step == 2 and traj.num_frames == 9 and tuple(traj.latents.shape) == (16, 3, 4, 2)
-    assert np.array_equal(_run(_engine(wan), data)[0], whole)
+    assert np.array_equal(run_resumed(_engine(wan), data)[0], whole)
     third = _engine(wan)
     beside = ImageRequest(prompt="the dog", height=32, width=16, num_frames=9, num_inference_steps=3, seed=7)
     third.add_request(beside)
-    got = _run(third, data)
+    got = run_resumed(third, data)
     assert third.num_forwards == 3  # the two shared every step
     for r, video in zip((beside, req), got):
         assert _gap(video, _ref(wan, r)) <= TOL
-
-
-def _run(engine: DiffusionEngine, data: bytes) -> list[np.ndarray]:
-    engine.resume(data)
-    outs = []
-    while engine.has_unfinished():
-        outs += engine.step()
-    return [o.array for o in sorted(outs, key=lambda o: o.index)]
 
 
 def test_bad_requests_fail_alone(wan, tmp_path):
@@ -230,25 +223,20 @@ def test_unsupported_wan_components_fail_at_load(wan, tmp_path):
 
     from batchgen.errors import UnsupportedModelError
 
-    bad = shutil.copytree(wan, tmp_path / "ddim")
+    def copy_with(name: str, **entries: object) -> Path:  # the pipeline with model_index.json entries set
+        dst = shutil.copytree(wan, tmp_path / name)
+        index = json.loads((dst / "model_index.json").read_text())
+        (dst / "model_index.json").write_text(json.dumps({**index, **entries}))
+        return dst
+
+    bad = copy_with("ddim", scheduler=["diffusers", "DDIMScheduler"])
     scheduler("ddim").save_pretrained(bad / "scheduler")
-    index = json.loads((bad / "model_index.json").read_text())
-    index["scheduler"] = ["diffusers", "DDIMScheduler"]
-    (bad / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(UnsupportedModelError, match="DDIMScheduler.*not supported for wan"):
         DiffusionEngine(bad)
-    two = shutil.copytree(wan, tmp_path / "two")
-    index = json.loads((two / "model_index.json").read_text())
-    index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]
-    (two / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(UnsupportedModelError, match="transformer_2"):
-        DiffusionEngine(two)
-    ti2v = shutil.copytree(wan, tmp_path / "ti2v")
-    index = json.loads((ti2v / "model_index.json").read_text())
-    index["expand_timesteps"] = True
-    (ti2v / "model_index.json").write_text(json.dumps(index))
+        DiffusionEngine(copy_with("two", transformer_2=["diffusers", "WanTransformer3DModel"]))
     with pytest.raises(UnsupportedModelError, match="expand_timesteps"):
-        DiffusionEngine(ti2v)
+        DiffusionEngine(copy_with("ti2v", expand_timesteps=True))
 
 
 def test_b64_json_for_a_video_fails_its_line_even_without_num_frames() -> None:

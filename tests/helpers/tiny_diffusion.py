@@ -146,3 +146,13 @@ def reference_pixart(path: str | os.PathLike, prompt: str, height: int, width: i
                generator=torch.Generator().manual_seed(seed), output_type="np", use_resolution_binning=False,
                clean_caption=False, max_sequence_length=T5_MAX_LENGTH)
     return torch.from_numpy(out.images[0])
+
+
+def run_resumed(engine: Any, data: bytes) -> list[Any]:
+    """Resume the suspended trajectory `data` on `engine`, run everything there -> each request's
+    array ([H, W, 3], a video's [F, H, W, 3]) by engine id."""
+    engine.resume(data)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return [o.array for o in sorted(outs, key=lambda o: o.index)]

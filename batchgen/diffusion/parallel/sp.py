@@ -6,7 +6,7 @@ Shapes: B batch, N tokens (member i holds n_i, torch.tensor_split order), H head
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -50,18 +50,24 @@ class UlyssesShard:
                            [(b, self.sizes[self.me], hk, d)] * self.group.size)
         return torch.cat(recvs, dim=2)
 
-    @contextlib.contextmanager
-    def attention(self, model: Any) -> Iterator[None]:
+    def attention(self, model: Any) -> contextlib.AbstractContextManager[None]:
         """Self-attention (attn1) of every block runs the Ulysses processor inside the block."""
-        saved = []
-        for block in model.transformer_blocks:
-            saved.append(block.attn1.processor)
-            block.attn1.set_processor(_UlyssesProcessor(self))
-        try:
-            yield
-        finally:
-            for block, proc in zip(model.transformer_blocks, saved):
-                block.attn1.set_processor(proc)
+        return self_attention_processors(model.transformer_blocks, _UlyssesProcessor(self))
+
+
+@contextlib.contextmanager
+def self_attention_processors(blocks: Iterable[Any], processor: Any) -> Iterator[None]:
+    """Every block's self-attention (attn1) runs `processor` inside the `with`, and its own
+    processor again after it (cross-attention and the feed-forward work per token: unchanged)."""
+    blocks = list(blocks)
+    saved = [block.attn1.processor for block in blocks]
+    for block in blocks:
+        block.attn1.set_processor(processor)
+    try:
+        yield
+    finally:
+        for block, proc in zip(blocks, saved):
+            block.attn1.set_processor(proc)
 
 
 class _UlyssesProcessor:

@@ -6,27 +6,18 @@ Shapes: B batch, n_me tokens on this member of N, H heads of D, k members (H / k
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .sp import UlyssesShard
+from .sp import UlyssesShard, self_attention_processors
 
 
-@contextlib.contextmanager
-def wan_attention(shard: UlyssesShard, model: Any) -> Iterator[None]:
+def wan_attention(shard: UlyssesShard, model: Any) -> contextlib.AbstractContextManager[None]:
     """Every Wan block's self-attention (attn1) runs on the shard's tokens; cross-attention and
     the feed-forward work per token and run as they are."""
-    saved = [block.attn1.processor for block in model.blocks]
-    for block in model.blocks:
-        block.attn1.set_processor(_UlyssesWanProcessor(shard))
-    try:
-        yield
-    finally:
-        for block, proc in zip(model.blocks, saved):
-            block.attn1.set_processor(proc)
+    return self_attention_processors(model.blocks, _UlyssesWanProcessor(shard))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
