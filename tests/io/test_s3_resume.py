@@ -21,6 +21,8 @@ import pyarrow.dataset as ds
 import pytest
 from demo_builder import build_demo_model
 
+from batchgen.cli import main
+
 moto_server = pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
 
@@ -79,9 +81,29 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _args(model: Path, endpoint: str, src: str, out: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "batchgen", "run", "--model", str(model), "--input", src, "--output", out,
+    return [sys.executable, "-m", "batchgen", *_cli(model, endpoint, src, out, *extra)]
+
+
+def _cli(model: Path, endpoint: str, src: str, out: str, *extra: str) -> list[str]:
+    return ["run", "--model", str(model), "--input", src, "--output", out,
             "--storage-option", f"client_kwargs.endpoint_url={endpoint}", "--temperature", "0",
             "--max-tokens", "4", "--chunk-size", "64", "--progress", "off", *extra]
+
+
+@pytest.fixture
+def here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """``batchgen`` in this process, with the subprocesses' AWS environment: (exit code, stderr)."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    for key, value in _env(**CREDENTIALS).items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+
+    def run(argv: list[str]) -> tuple[int, str]:
+        capsys.readouterr()
+        code = main(argv)
+        return code, capsys.readouterr().err
+    return run
 
 
 def _rows(s3: Any, prefix: str) -> dict[str, tuple[str, int, int]]:
@@ -95,11 +117,10 @@ def _rows(s3: Any, prefix: str) -> dict[str, tuple[str, int, int]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sigkill_then_resume_on_s3_is_exactly_once(model: Path, endpoint: str, s3: Any) -> None:
+def test_sigkill_then_resume_on_s3_is_exactly_once(model: Path, endpoint: str, s3: Any, here) -> None:
     env = _env(**CREDENTIALS)
-    ref = subprocess.run(_args(model, endpoint, "s3://jobs/in.jsonl.gz", "s3://jobs/ref/"), env=env,
-                         capture_output=True, text=True, timeout=240)
-    assert ref.returncode == 0, ref.stderr
+    code, err = here(_cli(model, endpoint, "s3://jobs/in.jsonl.gz", "s3://jobs/ref/"))
+    assert code == 0, err
     assert s3.exists("jobs/ref/_SUCCESS")
     want = _rows(s3, "ref")
     assert len(want) == ROWS
@@ -119,16 +140,15 @@ def test_sigkill_then_resume_on_s3_is_exactly_once(model: Path, endpoint: str, s
                   for p in s3.glob("jobs/out/part-*.parquet"))
     assert 0 < written < ROWS, written  # killed mid-job
 
-    again = subprocess.run(_args(model, endpoint, "s3://jobs/in.jsonl.gz", "s3://jobs/out/", "--resume",
-                                 "--summary-json", "s3://jobs/summary.json"),
-                           env=env, capture_output=True, text=True, timeout=240)
-    assert again.returncode == 0, again.stderr
+    code, err = here(_cli(model, endpoint, "s3://jobs/in.jsonl.gz", "s3://jobs/out/", "--resume",
+                          "--summary-json", "s3://jobs/summary.json"))
+    assert code == 0, err
     assert s3.exists("jobs/out/_SUCCESS")
     assert _rows(s3, "out") == want  # every custom_id once, tokens equal to the uninterrupted run
     summary = json.loads(s3.cat("jobs/summary.json"))
     assert summary["request_counts"] == {"total": ROWS, "completed": ROWS, "failed": 0}
     assert summary["this_run"]["resumed"] == written
-    assert json.loads(again.stderr.strip().splitlines()[-1]) == summary
+    assert json.loads(err.strip().splitlines()[-1]) == summary
 
 
 def _refused(cmd: list[str], env: dict[str, str], named: str) -> None:
@@ -139,10 +159,18 @@ def _refused(cmd: list[str], env: dict[str, str], named: str) -> None:
     assert time.monotonic() - start < 30  # seconds, not retries for minutes
 
 
-def test_bad_s3_inputs_exit_2_and_write_nothing(model: Path, endpoint: str, s3: Any) -> None:
-    env = _env(**CREDENTIALS)
-    _refused(_args(model, endpoint, "s3://no-such-bucket/in.jsonl", "s3://jobs/bad1/"), env, "no such file or bucket")
-    _refused(_args(model, endpoint, "s3://jobs/in.jsonl.gz", "s3://no-such-bucket/out/"), env, "no such bucket")
-    _refused(_args(model, endpoint, "s3://jobs/broken.jsonl.gz", "s3://jobs/bad2/"), env, "cannot read")
+def _refused_here(here, argv: list[str], named: str) -> None:
+    start = time.monotonic()
+    code, err = here(argv)
+    assert code == 2 and named in err, err  # a message, not a raise
+    assert time.monotonic() - start < 30  # seconds, not retries for minutes
+
+
+def test_bad_s3_inputs_exit_2_and_write_nothing(model: Path, endpoint: str, s3: Any, here) -> None:
+    _refused_here(here, _cli(model, endpoint, "s3://no-such-bucket/in.jsonl", "s3://jobs/bad1/"),
+                  "no such file or bucket")
+    _refused_here(here, _cli(model, endpoint, "s3://jobs/in.jsonl.gz", "s3://no-such-bucket/out/"), "no such bucket")
+    _refused_here(here, _cli(model, endpoint, "s3://jobs/broken.jsonl.gz", "s3://jobs/bad2/"), "cannot read")
+    # its own process: s3fs caches filesystems, and this one must find no credentials anywhere
     _refused(_args(model, endpoint, "s3://jobs/in.jsonl.gz", "s3://jobs/bad3/"), _env(), "credentials")
     assert not s3.glob("jobs/bad*", refresh=True)
