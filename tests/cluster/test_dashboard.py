@@ -184,31 +184,28 @@ def refresh_cost(client: Client) -> tuple[float, int]:
 
 def test_the_page_costs_the_scheduler_under_2_percent_cpu(client: Client, browser: Any,
                                                            checkpoint_factory: Callable[..., Path]) -> None:
-    """The same skewed job without and then with a browser on the page (runs first in this
-    module, so no page session exists during the first job)."""
+    """A skewed job with a browser on the page: the page's refreshes, timed on the scheduler's
+    thread, cost it under 2% of a core. (The scheduler thread's CPU with and without a browser
+    differs by less than one run's noise on a shared machine, so only the page's own time is
+    asserted; the figure is printed.)"""
     if not Path("/proc/self/task").exists():
         pytest.skip("needs Linux /proc for per-thread CPU time")
     ckpt = checkpoint_factory("mixtral")
     warm_up(client, ckpt)
-    rates = []
-    for k, watched in enumerate((False, True)):
-        if watched:
-            browser.get(client.dashboard_link.rsplit("/", 1)[0] + PAGE)
-            wait_page(browser, lambda p: bool(p["batchgen-workers"]["worker"]), 30, "the workers")
-            page_cpu, refreshes = refresh_cost(client)
-        cpu, t = scheduler_cpu_s(client), time.monotonic()
-        _, future = skewed_job(client, ckpt, start=1000 + 1000 * k, partitions=8)
-        future.result()
-        wall = time.monotonic() - t
-        rates.append((scheduler_cpu_s(client) - cpu) / wall)
+    browser.get(client.dashboard_link.rsplit("/", 1)[0] + PAGE)
+    wait_page(browser, lambda p: bool(p["batchgen-workers"]["worker"]), 30, "the workers")
+    page_cpu, refreshes = refresh_cost(client)
+    cpu, t = scheduler_cpu_s(client), time.monotonic()
+    _, future = skewed_job(client, ckpt, start=1000, partitions=8)
+    future.result()
+    wall = time.monotonic() - t
+    rate = (scheduler_cpu_s(client) - cpu) / wall
     spent, n = (a - b for a, b in zip(refresh_cost(client), (page_cpu, refreshes)))
     browser.get("about:blank")
-    print(f"scheduler loop thread CPU over a {wall:.1f} s job: {100 * rates[0]:.2f}% of a core without a "
-          f"browser, {100 * rates[1]:.2f}% with one on {PAGE} ({100 * (rates[1] - rates[0]):+.2f} points); "
-          f"the page's {n} refreshes took {1000 * spent / max(n, 1):.2f} ms each, {100 * spent / wall:.2f}% of a core")
+    print(f"scheduler loop thread CPU over a {wall:.1f} s job with a browser on {PAGE}: {100 * rate:.2f}% of a "
+          f"core; the page's {n} refreshes took {1000 * spent / max(n, 1):.2f} ms each, "
+          f"{100 * spent / wall:.2f}% of a core")
     assert n >= wall * 1000 / REFRESH_MS - 2  # it did refresh about once a second
-    # the with/without difference is within the noise of one run on a shared machine; the
-    # page's own time is not
     assert 100 * spent / wall < 2.0
 
 
