@@ -1,6 +1,7 @@
 """batchgen on a real LocalCluster (2 worker processes x 1 thread, tiny Mixtral): results equal a
-single engine's row for row, long partitions migrate to the idle worker, a SIGKILLed worker
-loses and duplicates no row, and the plugin's handlers come and go with it.
+single engine's row for row, batchgen's metrics show on the scheduler's Prometheus endpoint,
+long partitions migrate to the idle worker, a SIGKILLed worker loses and duplicates no row, and
+the plugin's handlers come and go with it.
 
 One cluster for the module; the worker-kill test runs after the others that need both workers.
 """
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +141,66 @@ def test_hosts_count_each_jobs_rows_and_error_rows(client: Client, ckpt: Path) -
     assert totals == [6, 6, 1], (group, reports)
 
 
+SAMPLE = re.compile(r"^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
+
+
+def scrape(client: Client) -> dict[tuple[str, str], float]:
+    """{(metric name, labels text): value} from the scheduler's Prometheus endpoint, over HTTP."""
+    url = client.dashboard_link.rsplit("/", 1)[0] + "/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            out[(m["name"], m["labels"] or "")] = float(m["value"])
+    return out
+
+
+def per_worker(samples: dict[tuple[str, str], float], name: str) -> dict[str, float]:
+    return {re.search(r'worker="([^"]+)"', labels)[1]: v for (n, labels), v in samples.items() if n == name}
+
+
+def test_batchgen_metrics_on_the_scheduler_prometheus_endpoint(client: Client, ckpt: Path) -> None:
+    """batchgen's per-worker series beside Dask's own on /metrics, while and after a job runs."""
+    n = 64
+    before = scrape(client)
+    assert ("dask_scheduler_workers", 'state="idle"') in before  # Dask's own series, same endpoint
+    assert not any(per_worker(before, "batchgen_worker_coroutines").values())  # nothing in flight
+    rows_before = per_worker(before, "batchgen_worker_rows_total")
+    tokens_before = per_worker(before, "batchgen_worker_generated_tokens_total")
+    pdf = pd.DataFrame({"prompt": [f"row {i} says" for i in range(n)]})
+    future = client.compute(dd.from_pandas(pdf, npartitions=4).map_partitions(
+        bc.generate, model=ckpt, max_tokens=32, engine_options=OPTIONS, **GREEDY))
+    busy: dict[str, float] = {}
+    while not future.done():  # while it runs: rows in flight on the workers
+        busy = {w: v for w, v in per_worker(scrape(client), "batchgen_worker_coroutines").items() if v > 0}
+        if busy:
+            break
+        time.sleep(0.05)
+    result = future.result()
+    assert busy and set(busy) <= set(workers(client))
+
+    def added(samples: dict[tuple[str, str], float], name: str, was: dict[str, float]) -> float:
+        return sum(v - was.get(w, 0.0) for w, v in per_worker(samples, name).items())
+
+    deadline = time.monotonic() + 10
+    while True:  # the workers' last pushes land within a push interval or two
+        samples = scrape(client)
+        if added(samples, "batchgen_worker_rows_total", rows_before) >= n or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert added(samples, "batchgen_worker_rows_total", rows_before) == n
+    assert added(samples, "batchgen_worker_generated_tokens_total", tokens_before) \
+        == result["num_generated_tokens"].sum() == 32 * n
+    rows = per_worker(samples, "batchgen_worker_rows_total")
+    for name in ("batchgen_worker_tokens_per_second", "batchgen_worker_kv_used_ratio",
+                 "batchgen_worker_expert_hit_ratio", "batchgen_worker_migrated_in_total"):
+        assert set(per_worker(samples, name)) == set(rows), name
+    assert per_worker(samples, "batchgen_worker_expert_hit_ratio")[workers(client)[0]] == 1.0  # all resident
+    assert 0.0 <= max(per_worker(samples, "batchgen_worker_kv_used_ratio").values()) <= 1.0
+    assert ("batchgen_migrations_total", "") in samples
+
+
 def test_long_partitions_migrate_to_the_idle_worker(client: Client, ckpt: Path, reference: Any) -> None:
     busy, idle = workers(client)
     # long enough that the balancer acts before they end, on a busy machine and on a fast one (context 512)
@@ -236,6 +299,9 @@ def test_disconnect_removes_plugin_and_handlers(client: Client) -> None:
     left = client.run(lambda dask_worker: (any(h.startswith("batchgen") for h in dask_worker.handlers),
                                            WORKER_PLUGIN in dask_worker.plugins, EXTENSION in dask_worker.extensions))
     assert list(left.values()) == [(False, False, False)] * 2
+    after = scrape(client)  # the Prometheus collector goes with the plugin; Dask's own series stay
+    assert not [k for k in after if k[0].startswith("batchgen_")]
+    assert ("dask_scheduler_workers", 'state="idle"') in after
     bc.connect(client=client)
     assert bc.is_installed(client)
     assert bc.install(client, push_interval=0.1) is True  # new settings: re-registered
