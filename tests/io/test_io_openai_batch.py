@@ -256,10 +256,10 @@ def test_success_record_shapes(ctx: RowContext) -> None:
 def test_lone_surrogates_and_prompt_lists_fail_their_line_only(tmp_path, ) -> None:
     """A \\ud800 escape is valid JSON but not UTF-8; a list of prompts is not one prompt."""
     import json as _json
-    import subprocess
-    import sys as _sys
 
     from tiny_models import build_checkpoint
+
+    from batchgen.cli import main
 
     model = build_checkpoint("llama", tmp_path / "m")
     lines = [
@@ -271,10 +271,8 @@ def test_lone_surrogates_and_prompt_lists_fail_their_line_only(tmp_path, ) -> No
     ]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    run = subprocess.run([_sys.executable, "-m", "batchgen.cli", "run", "--model", str(model), "--input", str(src),
-                          "--output", str(out), "--progress", "off", "--max-error-rate", "1"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
+    assert main(["run", "--model", str(model), "--input", str(src), "--output", str(out), "--progress", "off",
+                 "--max-error-rate", "1"]) == 0
     rows = {r["custom_id"]: r for r in map(_json.loads, out.read_text().splitlines())}
     assert len(rows) == 5 and all(r["error"] is None for r in rows.values())
     assert record_error(rows["ok1"]) is None and record_error(rows["ok2"]) is None
