@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..runtime.sequence import Sequence
+from .step_clock import StepClock
 
 # A slice's arrays: [n] int64, in the batch's (plan) order.
 IntArray = np.ndarray
@@ -21,31 +22,39 @@ IntArray = np.ndarray
 
 class DecodeSlice:
     """k >= 1 decode steps of `seqs` from `start`: row i feeds one token a step until it stops
-    after left[i] steps (it keeps its seat and blocks to the slice's end). cum[j - 1]: seconds
+    after left[i] steps (it keeps its seat and blocks to the slice's end). clock.at(j): seconds
     from `start` to the end of step j."""
 
-    __slots__ = ("seqs", "start", "generated", "c0", "out0", "left", "have", "left_sorted", "cum", "k",
+    __slots__ = ("seqs", "start", "generated", "c0", "out0", "left", "have", "left_sorted", "clock", "k",
                  "block_size", "_reported", "_need")
 
     def __init__(self, seqs: list[Sequence], start: float, generated: int, c0: IntArray, out0: IntArray,
-                 left: IntArray, have: IntArray, left_sorted: IntArray, cum: np.ndarray, k: int,
+                 left: IntArray, have: IntArray, left_sorted: IntArray, clock: StepClock, k: int,
                  block_size: int) -> None:
         self.seqs, self.start, self.generated = seqs, start, generated
         self.c0, self.out0, self.left, self.have, self.left_sorted = c0, out0, left, have, left_sorted
-        self.cum, self.k, self.block_size = cum, k, block_size
+        self.clock, self.k, self.block_size = clock, k, block_size
         self._reported: _Sorted | None = None  # made on the first report
         self._need: tuple[int, IntArray] | None = None  # (steps, blocks_needed(steps)), the last asked
 
     @property
     def end(self) -> float:
-        return self.start + float(self.cum[self.k - 1])
+        return self.start + self.clock.at(self.k)
+
+    def ends_after(self, t: float) -> bool:
+        """end > t, computing the clock only as far as t (a step takes time: past a step that
+        ends after t, so does the slice)."""
+        cum = self.clock.covers(t - self.start)
+        if len(cum) < self.k and cum[-1] > t - self.start:
+            return True
+        return self.end > t
 
     def at(self, j: int) -> float:
-        return self.start + float(self.cum[j - 1])
+        return self.start + self.clock.at(j)
 
     def position(self, t: float) -> int:
         """Steps done once the forward running at time t has completed (a forward is not cut)."""
-        return min(self.k, int(self.cum.searchsorted(t - self.start)) + 1)  # (cum past k is never read)
+        return min(self.k, int(self.clock.covers(t - self.start).searchsorted(t - self.start)) + 1)  # (cum past k is never read)
 
     def blocks_needed(self, steps: int) -> IntArray:
         """Blocks each row needs beyond those it holds after `steps` steps (0 where it has them)."""
