@@ -44,7 +44,7 @@ class DecodeSlice:
     def ends_after(self, t: float) -> bool:
         """end > t, computing the clock only as far as t (a step takes time: past a step that
         ends after t, so does the slice)."""
-        cum = self.clock.covers(t - self.start)
+        cum = self.clock.covers(t - self.start, self.k)
         if len(cum) < self.k and cum[-1] > t - self.start:
             return True
         return self.end > t
@@ -54,7 +54,7 @@ class DecodeSlice:
 
     def position(self, t: float) -> int:
         """Steps done once the forward running at time t has completed (a forward is not cut)."""
-        return min(self.k, int(self.clock.covers(t - self.start).searchsorted(t - self.start)) + 1)  # (cum past k is never read)
+        return min(self.k, int(self.clock.covers(t - self.start, self.k).searchsorted(t - self.start)) + 1)  # (cum past k is never read)
 
     def blocks_needed(self, steps: int) -> IntArray:
         """Blocks each row needs beyond those it holds after `steps` steps (0 where it has them)."""

@@ -29,25 +29,27 @@ class StepClock:
         self.c_suffix = np.concatenate([np.cumsum(c_sorted[::-1])[::-1], [0]])
         self.cum = np.empty(0, dtype=np.float64)
 
-    def upto(self, steps: int) -> np.ndarray:
-        """cum of at least the first min(steps, limit) steps."""
-        if steps > len(self.cum):
-            self._grow(steps)
-        return self.cum
-
     def at(self, j: int) -> float:
-        return float(self.upto(j)[j - 1])
+        return float(self.upto(j, j)[j - 1])
 
-    def covers(self, t: float) -> np.ndarray:
-        """cum up to the first step ending at or after t (or the limit)."""
+    def covers(self, t: float, steps: int) -> np.ndarray:
+        """cum up to the first step ending at or after t, or of the first `steps` steps if that
+        comes first (at most the limit)."""
         cum = self.cum
-        while len(cum) < self.limit and (not len(cum) or cum[-1] < t):
-            cum = self.upto(max(1, 2 * len(cum)))
+        while len(cum) < min(steps, self.limit) and (not len(cum) or cum[-1] < t):
+            cum = self.upto(max(1, 2 * len(cum)), steps)
         return cum
 
-    def _grow(self, steps: int) -> None:
+    def upto(self, steps: int, cap: int | None = None) -> np.ndarray:
+        """cum of at least the first min(steps, limit) steps; a chunk grown past `steps` (it
+        doubles) stops at `cap` steps (a slice cut short by its KV pool needs no more)."""
+        if steps > len(self.cum):
+            self._grow(steps, self.limit if cap is None else min(cap, self.limit))
+        return self.cum
+
+    def _grow(self, steps: int, limit: int) -> None:
         have = len(self.cum)
-        end = min(self.limit, max(steps, 2 * have, FIRST_CHUNK))
+        end = min(limit, max(steps, 2 * have, FIRST_CHUNK))
         if end <= have:
             return
         j = np.arange(have, end)

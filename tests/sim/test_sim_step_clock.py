@@ -33,7 +33,7 @@ def test_the_chunked_clock_equals_one_pass(rows: int) -> None:
     ref = _reference(cost, left_sorted, c_sorted, 0.25, limit)
     clock = StepClock(cost, left_sorted, c_sorted, 0.25, limit)
     for t in np.sort(rng.uniform(0, ref[-1] * 1.1, 40)):  # read a little at a time, as the ticks do
-        cum = clock.covers(float(t))
+        cum = clock.covers(float(t), limit)
         assert np.array_equal(cum, ref[:len(cum)])
         assert len(cum) == limit or cum[-1] >= t
         assert int(cum.searchsorted(t)) == int(ref.searchsorted(t)) or len(cum) == limit
