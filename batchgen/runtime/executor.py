@@ -62,15 +62,18 @@ class Executor:
         record = routed.append
         for layer in range(self.model.num_layers):
             cache = self.cache[layer]
-            for rows, batch in batches:
-                hidden[rows] = self.model.attention_stage(layer, hidden[rows], batch, cache)
+            if len(batches) == 1:  # one attention batch: no slice to write back into (a [T, H] copy)
+                hidden = self.model.attention_stage(layer, hidden, batches[0][1], cache)
+            else:
+                for rows, batch in batches:
+                    hidden[rows] = self.model.attention_stage(layer, hidden[rows], batch, cache)
             moe = self.model.is_moe_layer(layer)
             if moe:
                 self.stats.moe_batches.append(len(tokens))
             hidden = self.model.ffn_stage(layer, hidden, record if moe else None)
         if routed:
-            counts = torch.cat([torch.bincount(ids.flatten()) for ids in routed]).cpu()
-            self.stats.expert_call_tokens.extend(int(c) for c in counts if c > 0)
+            counts = torch.cat([torch.bincount(ids.flatten()) for ids in routed]).tolist()
+            self.stats.expert_call_tokens.extend(c for c in counts if c > 0)
         self.stats.forwards += 1
         self.stats.attention_batches.extend(rows.stop - rows.start for rows, _ in batches)
         sample_rows, samplers, row = [], [], 0
