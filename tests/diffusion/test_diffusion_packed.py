@@ -1,5 +1,5 @@
-"""Token-packed forwards (batchgen/diffusion/models/packed.py): several latent shapes in one forward,
-against diffusers' own transformer forward per shape (fp32 CPU)."""
+"""Token-packed forwards (batchgen/diffusion/models/packed.py, packed_wan.py): several latent shapes
+in one forward, against diffusers' own transformer forward per shape (fp32 CPU)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import tiny_diffusion as tiny  # noqa: E402
+import tiny_wan  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
 from batchgen.diffusion.models.packed import packable, predict_packed  # noqa: E402
@@ -18,16 +19,19 @@ from batchgen.diffusion.models.pipeline import load_pipeline  # noqa: E402
 def dirs(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("packed")
     return {"dit": tiny.build_dit(base / "dit", layers=2, heads=2, head_dim=8),
-            "pixart": tiny.build_pixart(base / "pix")}
+            "pixart": tiny.build_pixart(base / "pix"),
+            "wan": tiny_wan.build_wan(base / "wan")}
 
 
 def _parts(pipe, shapes, gen: torch.Generator):
     m = pipe.transformer
     parts = []
-    for b, (h, w) in shapes:
-        x = torch.randn(b, 4, h, w, generator=gen)
+    for b, shape in shapes:
+        x = torch.randn(b, pipe.latent_channels, *shape, generator=gen)  # Wan: (latent frames, h, w)
         t = torch.randint(0, 1000, (b,), generator=gen)
-        if pipe.family == "dit":
+        if pipe.family == "wan":  # the transformer takes no mask: rows past a prompt are zeros
+            cond = {"embeds": torch.randn(b, pipe.text_length, m.config.text_dim, generator=gen)}
+        elif pipe.family == "dit":
             cond = {"class_labels": torch.randint(0, 10, (b,), generator=gen)}
         else:
             mask = torch.zeros(b, tiny.T5_MAX_LENGTH)
@@ -41,18 +45,24 @@ def _parts(pipe, shapes, gen: torch.Generator):
 
 def _diffusers(pipe, x, t, cond):
     m = pipe.transformer
+    if pipe.family == "wan":
+        return m(hidden_states=x, timestep=t, encoder_hidden_states=cond["embeds"], return_dict=False)[0]
     if pipe.family == "dit":
         return m(x, timestep=t, class_labels=cond["class_labels"]).sample
     return m(x, encoder_hidden_states=cond["embeds"], encoder_attention_mask=cond["mask"], timestep=t,
              added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
 
 
-@pytest.mark.parametrize("family", ["dit", "pixart"])
+SHAPES = {"dit": [(3, (8, 8)), (2, (4, 4)), (1, (12, 12))],  # DiT's own forward unpatchifies squares only
+          "pixart": [(3, (8, 8)), (2, (4, 6)), (1, (12, 8))],
+          "wan": [(3, (3, 4, 6)), (2, (2, 4, 4)), (1, (5, 6, 2))]}  # latent frames, h, w
+
+
+@pytest.mark.parametrize("family", ["dit", "pixart", "wan"])
 def test_packed_forward_equals_diffusers_per_shape(dirs, family):
     pipe = load_pipeline(dirs[family])
     assert pipe.packs
-    # DiT's own forward unpatchifies square images only; PixArt takes any aspect
-    shapes = [(3, (8, 8)), (2, (4, 4)), (1, (12, 12))] if family == "dit" else [(3, (8, 8)), (2, (4, 6)), (1, (12, 8))]
+    shapes = SHAPES[family]
     parts = _parts(pipe, shapes, torch.Generator().manual_seed(0))
     with torch.no_grad():
         outs = predict_packed(pipe, parts)

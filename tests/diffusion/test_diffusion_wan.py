@@ -64,9 +64,9 @@ def test_matches_diffusers_mixed_frames_and_sizes_combined_per_step(dirs, sched)
     wan = dirs[sched]
     engine = _engine(wan)
     outs = engine.generate_outputs(MIXED)
-    # two latent shapes ([16, 2, 2, 2] and [16, 3, 4, 2]): one forward per shape and step, requests at
-    # different timesteps (and with or without guidance) sharing it
-    assert engine.num_steps_taken == 11 and engine.num_forwards == 6
+    # two latent shapes ([16, 2, 2, 2] and [16, 3, 4, 2]): one token-packed forward a step for both,
+    # requests at different timesteps (and with or without guidance) sharing it
+    assert engine.num_steps_taken == 11 and engine.num_forwards == 3
     gaps = []
     for r, o in zip(MIXED, outs):
         assert o.error is None and o.array.shape == (r.num_frames, r.height, r.width, 3)
@@ -77,19 +77,31 @@ def test_matches_diffusers_mixed_frames_and_sizes_combined_per_step(dirs, sched)
 
 @pytest.mark.parametrize("sched", ["euler", "unipc"])
 def test_suspend_resume_on_another_engine(dirs, sched):
-    """Suspended at step 2 while it shares the engine with a request of another frame count:
-    resumed alone elsewhere, bit-identical to the uninterrupted run; resumed beside a request of
-    its own shape, both within TOL of diffusers. UniPC's multistep history travels too."""
+    """Suspended at step 2 while it shares the engine (and, packed, its forwards) with a request of
+    another frame count: resumed alone elsewhere, bit-identical to the run that kept going where
+    it was once that company left; resumed beside a request of its own shape, both within TOL of
+    diffusers. UniPC's multistep history travels too."""
     wan = dirs[sched]
     req = ImageRequest(prompt="a blue bird", height=32, width=16, num_frames=9, num_inference_steps=4,
                        guidance_scale=4.0, seed=5)
-    whole = _engine(wan).generate_outputs([req])[0].array
+    company = ImageRequest(prompt="a tree", height=16, width=16, num_frames=5, num_inference_steps=3, seed=6)
+
+    def two_steps_in_company(engine: DiffusionEngine) -> int:
+        tid = engine.add_request(req)
+        engine.step()
+        other = engine.add_request(company)
+        engine.step()  # one packed forward for both shapes
+        engine.suspend(other)
+        return tid
+
+    kept = _engine(wan)
+    two_steps_in_company(kept)
+    outs = []
+    while kept.has_unfinished():
+        outs += kept.step()
+    whole = outs[0].array
     first = _engine(wan)
-    tid = first.add_request(req)
-    first.step()
-    first.add_request(ImageRequest(prompt="a tree", height=16, width=16, num_frames=5, num_inference_steps=3, seed=6))
-    first.step()
-    data = first.suspend(tid)
+    data = first.suspend(two_steps_in_company(first))
     traj = pickle.loads(data)[1]
     assert traj.step == 2 and traj.num_frames == 9 and tuple(traj.latents.shape) == (16, 3, 4, 2)
     assert np.array_equal(run_resumed(_engine(wan), data)[0], whole)

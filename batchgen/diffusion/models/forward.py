@@ -30,7 +30,7 @@ def predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, cond: dict[str, to
     PixArt {"embeds": [B, L, Dc], "mask": [B, L]} (+ "resolution" [B, 2], "aspect_ratio" [B, 1]);
     SD3 / Flux: the rows the engine builds in engine/denoise.py (no sequence parallelism: their attention is diffusers');
     Wan: x [B, C, F', h, w], cond {"embeds": [B, L, D]} (models/wan.py)."""
-    if pipe.family == "wan":
+    if pipe.family == "wan" and (sp is not None or not pipe.packs):
         return predict_wan(pipe, x, t, cond, sp)
     if pipe.family in MMDIT:
         if sp is not None:

@@ -25,12 +25,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .packed_wan import predict_wan_packed, wan_packable
+
 _NORMS = ("ada_norm_zero", "ada_norm_single")
 
 
 def packable(transformer: Any) -> str | None:
     """None when every block can run packed, else why not (that transformer keeps diffusers'
-    own block forward, one forward per latent shape)."""
+    own block forward, one forward per latent shape). Wan: packed_wan.py."""
+    if type(transformer).__name__ == "WanTransformer3DModel":
+        return wan_packable(transformer)
     blocks = getattr(transformer, "transformer_blocks", None)
     if not blocks:
         return "the transformer has no transformer_blocks"
@@ -84,7 +88,9 @@ class _Layout:
 def predict_packed(pipe: Any, parts: Sequence[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
                    ) -> list[torch.Tensor]:
     """parts: (x [B_i, C, h_i, w_i], t [B_i], cond) as forward.predict takes them -> the model
-    output [B_i, C_out, h_i, w_i] per part, from one packed forward."""
+    output [B_i, C_out, h_i, w_i] per part, from one packed forward (Wan: x [B_i, C, F'_i, h_i, w_i])."""
+    if pipe.family == "wan":
+        return predict_wan_packed(pipe, parts)
     m = pipe.transformer
     embedded = [m.pos_embed(x) for x, _, _ in parts]                     # [B_i, N_i, D]
     layout = _Layout.of([(h.shape[0], h.shape[1]) for h in embedded], embedded[0].device)

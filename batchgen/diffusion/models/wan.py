@@ -2,11 +2,11 @@
 sample: its prompt cleaning, text rows, transformer call and VAE decode, as the pipeline makes
 them per video (the engine puts each step's rows together: engine/denoise.py).
 
-The transformer is diffusers' WanTransformer3DModel, called as a whole at degree 1 (its forward
-takes one timestep per sample); a sequence-parallel forward runs its parts with the tokens
-sharded (parallel/sp_wan.py: Ulysses self-attention). Trajectories of one latent shape
-[C, F', h, w] share a forward at any timesteps, and each shape is its own forward (rotary
-positions depend on the shape).
+The transformer is diffusers' WanTransformer3DModel. A degree-1 forward runs token-packed
+(packed_wan.py: every latent shape of a step in one forward, at a timestep per sample) unless
+the transformer has parts that forward does not run; then diffusers' forward is called as a
+whole, one per latent shape (`predict_wan`). A sequence-parallel forward runs its parts with the
+tokens sharded (parallel/sp_wan.py: Ulysses self-attention).
 
 Shapes: B rows (CFG's unconditional rows included), C latent channels, F' = (F - 1) / 4 + 1
 latent frames of F video frames, h x w latent (pixels / 8), L text tokens, D text width.
