@@ -16,7 +16,8 @@ at 80; this job, seed 0, is the lowest of the ten at 40 (1.38) and 1.58 at 80, m
             round-robin to the workers and fixed there. A batch runs as a request-level batcher
             (one diffusers pipeline call per size and guidance mode) would: every row stays in
             the forward until its sub-batch's longest trajectory ends, and each request's
-            latency is its batch's end. Real forwards and VAE decodes of those shapes. The batch
+            latency is its batch's end. The same work per request as batchgen: prompts through
+            the text encoder, real forwards and VAE decodes, every image or frame PNG-encoded. The batch
             size defaults to --max-running, batchgen's trajectories in flight per worker: the
             same capacity per worker for both (a smaller static batch would run more, smaller
             forwards and flatter batchgen; a larger one would hold more in flight than batchgen may).
@@ -62,9 +63,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def static_batch(model: str, reqs: list[Any]) -> float:
-    """One static batch, as a request-level batcher runs it (one pipeline call per size and
-    guidance mode; every row in the forward until the sub-batch's longest trajectory ends, then
-    one VAE decode); -> its end time. The forwards and decodes are real; the images are not kept."""
+    """One static batch, as a request-level batcher runs it (one pipeline call per size, frame
+    count and guidance mode; every row in the forward until the sub-batch's longest trajectory
+    ends, then one VAE decode); -> its end time. The same work per request as batchgen's loops:
+    prompts through the text encoder, forwards, decode, and each image or frame PNG-encoded."""
     from batchgen.diffusion.distributed.on_worker import on_engine
 
     return on_engine(model, {}, lambda engine: _static_on(engine.pipe, reqs))
@@ -73,7 +75,9 @@ def static_batch(model: str, reqs: list[Any]) -> float:
 def _static_on(pipe: Any, reqs: list[Any]) -> float:
     import torch
 
-    from batchgen.diffusion.models.decode import decode
+    from batchgen.diffusion.engine.output import png_bytes
+    from batchgen.diffusion.models.condition import encode_prompts
+    from batchgen.diffusion.models.decode import decode, to_pil
     from batchgen.diffusion.models.forward import predict
 
     subs: dict[tuple, list[Any]] = {}
@@ -84,15 +88,19 @@ def _static_on(pipe: Any, reqs: list[Any]) -> float:
             rows = len(rs) * (2 if cfg else 1)
             depth = (pipe.latent_frames(frames),) if pipe.is_video else ()
             x = torch.randn(rows, pipe.latent_channels, *depth, h // pipe.vae_scale_factor, w // pipe.vae_scale_factor)
-            if pipe.is_video:  # random text rows: the forwards' cost, not their images
-                cond = {"embeds": torch.randn(rows, pipe.text_length, int(pipe.transformer.config.text_dim))}
+            if pipe.is_video:  # WanPipeline: the empty prompt's embeddings as the negative rows
+                conds = encode_prompts(pipe, [r.prompt for r in rs] + ([""] if cfg else []))
+                embeds = [c["embeds"] for c in conds[:len(rs)]] + [conds[-1]["embeds"]] * (rows - len(rs))
+                cond = {"embeds": torch.stack(embeds)}
             else:
                 cond = {"class_labels": torch.tensor([r.class_label for r in rs]
                                                      + ([pipe.null_class] * len(rs) if cfg else []))}
             for step in range(max(r.num_inference_steps for r in rs)):
                 t = torch.full((rows,), 999 - step, dtype=torch.long)
                 x = predict(pipe, x, t, cond)[:, :pipe.latent_channels]
-            decode(pipe, list(x[:len(rs)]))
+            for out in decode(pipe, list(x[:len(rs)])):
+                for image in (out if pipe.is_video else [out]):
+                    png_bytes(to_pil(image))
     return time.time()
 
 
