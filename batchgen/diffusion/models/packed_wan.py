@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..parallel.sp_wan import apply_wan_rotary
+
 Part = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
@@ -96,16 +98,6 @@ def _block(block: Any, hs: torch.Tensor, enc: torch.Tensor, proj: torch.Tensor,
     return (hs.float() + block.ffn(x).float() * c_gate_msa).type_as(hs)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """WanAttnProcessor's apply_rotary_emb: x [1, T, H, hd], cos / sin [1, T, 1, hd]."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
-
-
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[b, n, H, hd] queries over [b, m, H, hd] keys -> [b, n, H hd] (diffusers' native backend)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -117,7 +109,7 @@ def _self_attention(a: Any, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.T
                     spans: list[tuple[int, int, int, int]]) -> torch.Tensor:
     q, k, v = a.norm_q(a.to_q(x)), a.norm_k(a.to_k(x)), a.to_v(x)           # [1, T, H hd]
     q, k, v = (z.unflatten(2, (a.heads, -1)) for z in (q, k, v))             # [1, T, H, hd]
-    q, k = _rotate(q, *rotary), _rotate(k, *rotary)
+    q, k = apply_wan_rotary(q, *rotary), apply_wan_rotary(k, *rotary)
     outs = []
     for start, _, b, n in spans:
         span = slice(start, start + b * n)

@@ -20,8 +20,9 @@ def wan_attention(shard: UlyssesShard, model: Any) -> contextlib.AbstractContext
     return self_attention_processors(model.blocks, _UlyssesWanProcessor(shard))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """WanAttnProcessor's apply_rotary_emb: x [B, n, H, D], cos / sin [1, n, 1, D]."""
+def apply_wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """WanAttnProcessor's apply_rotary_emb: x [B, n, H, D], cos / sin [1, n, 1, D] (per token;
+    the packed forward passes [1, T, H, D] with a row per token)."""
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[..., 0::2], sin[..., 1::2]
     out = torch.empty_like(x)
@@ -45,7 +46,7 @@ class _UlyssesWanProcessor:
             q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         q, k = attn.norm_q(q), attn.norm_k(k)  # across heads, per token: local
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))          # [B, n_me, H, D]
-        q, k = _rotate(q, *rotary_emb), _rotate(k, *rotary_emb)
+        q, k = apply_wan_rotary(q, *rotary_emb), apply_wan_rotary(k, *rotary_emb)
         q, k, v = (self.shard.heads_to_tokens(t).transpose(1, 2) for t in (q, k, v))  # [B, H/k, N, D]
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         out = self.shard.tokens_to_heads(out.transpose(1, 2)).flatten(2, 3).type_as(q)  # [B, n_me, H D]
