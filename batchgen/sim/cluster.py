@@ -136,6 +136,7 @@ def _simulate_here(workload: Workload, cost: CostModel, engine: EngineSimConfig,
                                       cost, engine)
         if isinstance(policy, Static):
             for e in engines:
+                e.sealed = True
                 e.run_until(math.inf)
         else:
             balancer = _Balancer(engines, policy, cluster)
@@ -169,11 +170,16 @@ def _run_ticks(engines: list[SimEngine], cluster: ClusterSimConfig, act: Callabl
 
 
 def _deal(engines: list[SimEngine], batches: deque[np.ndarray], workload: Workload, now: float) -> None:
+    if engines[0].sealed:
+        return
     given = deal([e.occupancy() for e in engines], batches, engines[0].config.max_num_seqs)
     for e, mine in zip(engines, given):
         for batch in mine:
             for seq in rows_as_sequences(workload, batch):
                 e.add(seq, now)
+    if not batches:  # every row dealt: nothing more comes to any engine
+        for e in engines:
+            e.sealed = True
 
 
 class _Balancer:

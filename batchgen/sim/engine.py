@@ -15,9 +15,13 @@ policy reads only lengths. Between decisions the engine advances in slices:
   `exact` also cuts k at the first row that finishes. Otherwise (the default for fleet runs)
   rows that finish inside a slice give their seat and blocks back at its end: while rows wait
   for a seat (or a coroutine is due) a slice ends once `finish_fraction` of its batch has
-  finished, and is at most `quantum_steps` long. With none waiting no decision depends on when
-  rows finish, so the slice runs until its last row does, the pool runs out or the cluster cuts
-  it (its step times are computed only as far as they are read: step_clock.py). Its decision is
+  finished, and is at most `quantum_steps` long. Once the engine is `sealed` (no row will be
+  added and no coroutine will arrive: static's engines, dynamic's once its batches are dealt) a
+  slice with none waiting runs until its last row finishes or the pool runs out: with no row to
+  admit, what a `schedule()` call between could change is only when the pool evicts (its step
+  times are computed only as far as they are read: step_clock.py). An engine that may still get
+  work keeps the 1/8 rule: there a call's fresh KV reservation changes the free blocks that later
+  admissions and arrivals see. Its decision is
   `schedule(lookahead=k)`, which gives every row the KV of the whole slice up front (at most
   `reserve_fraction` of the pool) and evicts now what those steps would evict, so a KV-bound
   engine decides once a slice instead of each time its pool runs out. The tests bound the
@@ -133,10 +137,13 @@ class SimEngine:
         self._load: tuple[tuple[int, float], EngineLoad] | None = None
         self.slice: DecodeSlice | None = None  # a decode slice running past the last tick
         self.tick = 0.0  # the time the engine was last run to: where a report or a cut refers to
+        self.sealed = False  # no row will be added and no coroutine will arrive (see the docstring)
 
     # -- work in ----------------------------------------------------------------------------------
     def add(self, seq: Sequence, at: float = 0.0) -> None:
         """A new row, handed over at time `at` (an idle engine's clock waits until then)."""
+        if self.sealed:
+            raise PlanError(f"{self.name}: a row added to a sealed engine")
         self.cut()
         if not self.scheduler.has_work:
             self.now = max(self.now, at)
@@ -144,6 +151,8 @@ class SimEngine:
         self.version += 1
 
     def arrive(self, arrival: Arrival) -> None:
+        if self.sealed:
+            raise PlanError(f"{self.name}: a coroutine sent to a sealed engine")
         self.cut()
         heapq.heappush(self.arrivals, (arrival.at, int(arrival.seq.seq_id), arrival))
         self.version += 1
@@ -365,9 +374,9 @@ class SimEngine:
         queued = bool(self.scheduler.waiting or self.arrivals)
         if config.exact:
             nth = 0
-        elif queued:
+        elif queued or not self.sealed:
             nth = max(0, math.ceil(config.finish_fraction * n) - 1)
-        else:  # nothing waits for a seat: no decision depends on when rows finish (see the docstring)
+        else:  # nothing waits and nothing will come: no admission depends on when rows finish
             nth = n - 1
         horizon = max(1, int(left_sorted[nth]))
         if config.exact or queued:

@@ -171,7 +171,7 @@ def run_parallel(workload: Workload, cost: CostModel, config: EngineSimConfig, n
         arrivals: dict[int, list] = {}
         now, t = 0.0, None
         while live:
-            answers = kids.ask({i: ("run", (t, adds.get(i, []), arrivals.get(i, []), tuple(live)))
+            answers = kids.ask({i: ("run", (t, adds.get(i, []), arrivals.get(i, []), tuple(live), not batches))
                                 for i in range(len(kids.conns))})
             adds, arrivals = {}, {}
             work = {kind: any(a["work"][kind] for a in answers.values()) for kind in live}

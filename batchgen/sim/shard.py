@@ -40,19 +40,25 @@ class Shard:
             self.fleets[kind] = [SimEngine(name, cost, config) for name in names] if kind == "dynamic" else \
                 partitioned_engines(names, parts, workload, cost, config)
         self.by_name = {kind: {e.name: e for e in engines} for kind, engines in self.fleets.items()}
+        for e in self.fleets.get("static", []):
+            e.sealed = True  # static's engines never get more rows
         self.loads: dict[str, EngineLoad] = {}
         self.background_s = background_s  # simulated seconds a static engine advances per step of background
         self._next_static = 0
 
     def run(self, t: float | None, adds: list[tuple[str, np.ndarray]], arrivals: list[tuple[str, Arrival]],
-            live: tuple[str, ...]) -> dict[str, Any]:
+            live: tuple[str, ...], dealt: bool = False) -> dict[str, Any]:
         """Deliver the last tick's decisions, run the tick-driven fleets to t (None: stay), and
         report: batchgen's loads [e, len(LOAD_FIELDS) + 1] (the last column: how many movable
-        coroutines each lists), dynamic's occupancy [e, 2], and which fleets still have work."""
+        coroutines each lists), dynamic's occupancy [e, 2], and which fleets still have work.
+        dealt: dynamic's last batch was dealt (its engines are sealed once `adds` are in)."""
         for name, rows in adds:
             e = self.by_name["dynamic"][name]
             for seq in rows_as_sequences(self.workload, rows):
                 e.add(seq, e.tick)
+        if dealt:
+            for e in self.fleets.get("dynamic", []):
+                e.sealed = True
         for name, arrival in arrivals:
             self.by_name["batchgen"][name].arrive(arrival)
         out: dict[str, Any] = {"work": {}}
