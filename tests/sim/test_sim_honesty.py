@@ -28,11 +28,11 @@ from batchgen.sim.workload import Workload
 
 OPTIONS = {"dtype": "float32", "kv_cache_bytes": 64 << 20}
 # 96 rows of up to 128 tokens, sorted long-last in 2 partitions: skewed enough that the balancer
-# moves coroutines. (128 rows of up to 192 tokens in three rounds took ~25 s of the suite.)
+# moves coroutines. (128 rows of up to 192 tokens in three trials took ~25 s of the suite.)
 ROWS = 96
 LONGEST = 128
 BOUND = 0.25
-MAX_ROUNDS = 4
+MAX_TRIALS = 4
 MIN_SHARE = 0.7  # of a core per worker during the job: below, other jobs had the cores
 
 
@@ -78,16 +78,16 @@ def test_predicted_bct_within_25_percent_of_a_real_two_worker_job(tmp_path: Path
         client.gather([client.submit(bc.generate, warm, model=model, per_row={"max_tokens": "max_tokens"},
                                      engine_options=OPTIONS, temperature=0.0, ignore_eos=True, workers=[w], pure=False)
                        for w in workers])
-        # A round is a job between two calibrations, the profile their mean: on 2 shared cores
+        # A trial is a job between two calibrations, the profile their mean: on 2 shared cores
         # the machine's speed drifts between minutes, so a pair must see the same machine, and
-        # the calibration after the job brackets a drift during it. A round counts only if the
+        # the calibration after the job brackets a drift during it. A trial counts only if the
         # workers had their cores during the job (CPU seconds per wall second, both together):
         # with other jobs on the cores the ratio measures their load, not the simulator (under
-        # load average 5-8 single rounds read 0.40-1.21). The first round within the bound
-        # passes; two rounds that had their cores and missed fail.
-        rounds: list[tuple[float, float, float, int, float]] = []
+        # load average 5-8 single trials read 0.40-1.21). The first trial within the bound
+        # passes; two trials that had their cores and missed fail.
+        trials: list[tuple[float, float, float, int, float]] = []
         before = _profile(client, model, workers)
-        while len(rounds) < MAX_ROUNDS:
+        while len(trials) < MAX_TRIALS:
             cpu0 = client.run(time.process_time)
             t0 = time.perf_counter()
             out = ddf.map_partitions(bc.generate, model=model, per_row={"max_tokens": "max_tokens"},
@@ -99,17 +99,17 @@ def test_predicted_bct_within_25_percent_of_a_real_two_worker_job(tmp_path: Path
             after = _profile(client, model, workers)
             sim = simulate(workload, FittedCost.build(_average(before + after)), engine, BatchGen(BalanceConfig()),
                            ClusterSimConfig(2, tick_s=0.2))
-            rounds.append((sim.bct_s / measured, sim.bct_s, measured, sim.migrated_coroutines, share))
+            trials.append((sim.bct_s / measured, sim.bct_s, measured, sim.migrated_coroutines, share))
             before = after
-            if abs(rounds[-1][0] - 1) < BOUND or sum(r[4] >= MIN_SHARE for r in rounds) >= 2:
+            if abs(trials[-1][0] - 1) < BOUND or sum(r[4] >= MIN_SHARE for r in trials) >= 2:
                 break
         moved = bc.metrics(client).get("migrations", 0)
         bc.disconnect(client)
-    ratio, predicted, measured, sim_moved, share = rounds[-1]
-    print(f"\nhonesty: predicted/measured per round {', '.join(f'{r[0]:.3f} (cores {r[4]:.2f})' for r in rounds)}; "
+    ratio, predicted, measured, sim_moved, share = trials[-1]
+    print(f"\nhonesty: predicted/measured per trial {', '.join(f'{r[0]:.3f} (cores {r[4]:.2f})' for r in trials)}; "
           f"last: predicted BCT {predicted:.2f} s, measured {measured:.2f} s; migrated coroutines: measured {moved} "
-          f"({len(rounds)} jobs), simulated {sim_moved} (one)")
-    if abs(ratio - 1) >= BOUND and all(r[4] < MIN_SHARE for r in rounds):
-        pytest.skip(f"the workers never had their cores (CPU per wall second {[round(r[4], 2) for r in rounds]}): "
+          f"({len(trials)} jobs), simulated {sim_moved} (one)")
+    if abs(ratio - 1) >= BOUND and all(r[4] < MIN_SHARE for r in trials):
+        pytest.skip(f"the workers never had their cores (CPU per wall second {[round(r[4], 2) for r in trials]}): "
                     "a measured BCT here says how loaded the machine is")
-    assert abs(ratio - 1) < BOUND, rounds
+    assert abs(ratio - 1) < BOUND, trials
