@@ -9,8 +9,11 @@ forwards (the cost model's step time of each forward it takes part in). The plan
      has room, each onto the worker whose round would be shortest with it;
   2. then moves trajectories between groups (a different worker = migration, more workers = a
      higher degree, fewer = a lower one) while a move cuts the estimated round time (or, at an
-     equal round time, the total work) by more than `switch_gain` of it. Trajectories on the
-     slowest worker are tried in priority order; a trajectory with one step left is not spread.
+     equal round time, the total work) by more than `switch_gain` of it, or, where other workers
+     are within that gain of the slowest, takes the slowest out of that band and puts no one in
+     (two near-equal stragglers: spreading either alone barely shortens the round). Trajectories
+     on the slowest worker are tried in priority order; a trajectory with one step left is not
+     spread.
      The search starts from the current groups and, separately, from every trajectory at degree
      1 on its owner (no single move leaves a poor spread); the second wins only by the gain.
 
@@ -266,6 +269,8 @@ def _best_move(order: list[int], views: dict[int, TrajView], groups: dict[int, t
                ) -> tuple[int, tuple[int, ...]] | None:
     cur = loads.objective()
     slowest = max(ranks, key=lambda r: (loads.load[r], -r))
+    band = cur[0] * (1 - gain)  # workers loaded above it are as slow as the slowest, within the gain
+    tied = _above(loads, band)
     best, best_obj = None, None
     for tid in order:
         old = groups[tid]
@@ -278,13 +283,23 @@ def _best_move(order: list[int], views: dict[int, TrajView], groups: dict[int, t
                 continue  # a new owner needs a free slot
             loads.add(v, new)
             obj = loads.objective()
+            # where others are nearly as slow, no single move shortens the round by the gain; a
+            # move that takes the slowest out of that band, putting no one into it, is the first
+            # of the moves that do
+            relieved = loads.load[slowest] < band and _above(loads, band) < tied
             loads.add(v, new, -1)
             # a shorter round, or the same round with less work in all, by more than the gain
-            worth = obj[0] < cur[0] * (1 - gain) or (obj[0] <= cur[0] * (1 + 1e-9) and obj[1] < cur[1] * (1 - gain))
+            worth = obj[0] < cur[0] * (1 - gain) or (obj[0] <= cur[0] * (1 + 1e-9)
+                                                      and (obj[1] < cur[1] * (1 - gain) or relieved))
             if worth and (best_obj is None or obj < best_obj):
                 best, best_obj = (tid, new), obj
         loads.add(v, old)
     return best
+
+
+def _above(loads: _Loads, level: float) -> int:
+    """How many workers are loaded to `level` or more."""
+    return sum(x >= level for x in loads.load.values())
 
 
 def _options(old: tuple[int, ...], ranks: tuple[int, ...], degrees: list[int], loads: _Loads, remaining: int

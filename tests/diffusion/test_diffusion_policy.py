@@ -97,6 +97,17 @@ def test_plan_spreads_a_large_image_over_an_idle_worker_and_not_over_a_busy_one(
     assert "(0, 1) -> (0,)" in busy.reasons[0]
 
 
+def test_plan_spreads_two_nearly_equal_stragglers_though_each_move_alone_barely_shortens_the_round():
+    from batchgen.policy.diffusion_plan import plan_round
+
+    # 64 ms and 62 ms alone on workers 0 and 1, workers 2 and 3 idle: spreading either alone
+    # shortens the round by 2 ms (< the 5% switch gain), spreading both takes it to 52 ms
+    running = [_placed(0, [0]), _placed(1, [1], tokens=62)]
+    plan = plan_round(_state(running, ranks=(0, 1, 2, 3), degrees=(1, 2)), "fcfs", SP_COST)
+    assert sorted(map(len, plan.groups.values())) == [2, 2] and set(plan.groups[0]) & set(plan.groups[1]) == set()
+    assert plan.est_round_s == pytest.approx(0.052)
+
+
 def test_plan_keeps_degree_1_where_the_all_to_all_costs_more_than_it_saves():
     from batchgen.policy.diffusion_plan import plan_round
 
