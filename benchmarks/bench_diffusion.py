@@ -259,11 +259,12 @@ def main() -> int:
     print(f"requests {args.requests} ({what}, 10-50 steps, CFG mixed), policy {args.policy}, "
           f"static batch {args.static_batch}, {'not packed, ' if args.no_pack else ''}best of {args.repeats}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     s = best.get("static")
+    target = 1.5 if args.family == "wan" else 1.4  # the ratio each job is held to (video 1.5x)
     for name in ("batchgen", "free"):
         if s is None or name not in best:
             continue
         b = best[name]
-        print(f"{name}: makespan static / {name} = {s[0] / b[0]:.2f}x   (target >= 1.4x); mean latency "
+        print(f"{name}: makespan static / {name} = {s[0] / b[0]:.2f}x   (target >= {target}x); mean latency "
               f"{1 - b[1] / s[1]:+.0%} lower (target >= 30%); over deadline (SLO {args.slo}x alone) static "
               f"{s[2]:.0%}, {name} {b[2]:.0%} (SLO 8x/16x/32x: static "
               + "/".join(f"{v:.0%}" for v in s[5].values()) + f", {name} " + "/".join(f"{v:.0%}" for v in b[5].values())
