@@ -58,8 +58,8 @@ def test_matches_diffusers_mixed_sizes_combined_per_step(dirs, family):
     reqs = _mixed(family)
     engine = _engine(path)
     outs = engine.generate_outputs(reqs)
-    # two latent shapes: one forward per shape and step, requests at different timesteps sharing it
-    assert engine.num_steps_taken == 8 and engine.num_forwards == 6
+    # two latent shapes at different timesteps: one packed forward a step (packed_sd3.py, packed_flux.py)
+    assert engine.pipe.packs and engine.num_steps_taken == 8 and engine.num_forwards == 3
     for r, o in zip(reqs, outs):
         assert o.error is None and o.image.size == (r.width, r.height)
         ref = tm.reference(path, r.prompt, r.height, r.width, r.num_inference_steps, r.guidance_scale, r.seed)
@@ -68,19 +68,31 @@ def test_matches_diffusers_mixed_sizes_combined_per_step(dirs, family):
 
 @pytest.mark.parametrize("family", ["sd3", "flux_dev"])
 def test_suspend_resume_on_another_engine(dirs, family):
-    """Suspended at step 2 while it shares the engine with a request of another shape: resumed alone
-    elsewhere, bit-identical to the uninterrupted run; resumed beside a request of its own shape
-    (one forward, other timesteps), both within TOL of diffusers."""
+    """Suspended at step 2 while it shares the engine (and, packed, its forwards) with a request
+    of another shape: resumed alone elsewhere, bit-identical to the run that kept going
+    where it was once that company left; resumed beside a request of its own shape (one forward,
+    other timesteps), both within TOL of diffusers."""
     path = dirs[family]
     req = ImageRequest(prompt="a blue bird", height=32, width=16, num_inference_steps=4, guidance_scale=3.0, seed=5)
-    whole = _engine(path).generate_outputs([req])[0].array
+    company = ImageRequest(prompt="a tree", height=16, width=24, num_inference_steps=3, seed=6)
+
+    def two_steps_in_company(engine) -> int:
+        tid = engine.add_request(req)
+        engine.step()
+        # joins at step 1 (admitted alone: prompts encoded in one batch differ in the last bits)
+        other = engine.add_request(company)
+        engine.step()
+        engine.suspend(other)
+        return tid
+
+    kept = _engine(path)
+    two_steps_in_company(kept)
+    outs = []
+    while kept.has_unfinished():
+        outs += kept.step()
+    whole = outs[0].array
     first = _engine(path)
-    tid = first.add_request(req)
-    first.step()
-    # joins at step 1 (admitted alone: prompts encoded in one batch differ in the last bits)
-    first.add_request(ImageRequest(prompt="a tree", height=16, width=24, num_inference_steps=3, seed=6))
-    first.step()
-    data = first.suspend(tid)
+    data = first.suspend(two_steps_in_company(first))
     traj = pickle.loads(data)[1]
     assert traj.step == 2 and traj.scheduler_state["_step_index"] == 2
     assert np.array_equal(run_resumed(_engine(path), data)[0], whole)
@@ -206,15 +218,25 @@ def test_unsupported_components_fail_at_load(dirs, tmp_path):
 
 
 def test_a_failing_forward_fails_only_its_shape(dirs, monkeypatch):
+    import batchgen.diffusion.engine.denoise as denoise
+
     engine = _engine(dirs["flux_schnell"])
-    forward = engine.pipe.transformer.forward
+    f = engine.pipe.vae_scale_factor
+    predict, packed = denoise.predict, denoise.predict_packed
+    huge = (32 // f, 16 // f)  # the 32 x 16 px request's latents
 
-    def fragile(*args, **kw):
-        if kw["hidden_states"].shape[1] == 32:  # 32 x 16 px: 8 x 4 packed tokens
+    def fragile(pipe, x, t, cond, sp=None):
+        if tuple(x.shape[-2:]) == huge:
             raise RuntimeError("out of memory (simulated)")
-        return forward(*args, **kw)
+        return predict(pipe, x, t, cond, sp)
 
-    monkeypatch.setattr(engine.pipe.transformer, "forward", fragile)
+    def fragile_pack(pipe, parts):  # both shapes in one packed forward: it fails, then each shape alone
+        if any(tuple(x.shape[-2:]) == huge for x, _, _ in parts):
+            raise RuntimeError("out of memory (simulated)")
+        return packed(pipe, parts)
+
+    monkeypatch.setattr(denoise, "predict", fragile)
+    monkeypatch.setattr(denoise, "predict_packed", fragile_pack)
     reqs = _mixed("flux_schnell")
     outs = engine.generate_outputs(reqs)
     assert "denoising step 0 failed: RuntimeError: out of memory (simulated)" in outs[2].error

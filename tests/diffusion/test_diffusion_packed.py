@@ -1,4 +1,4 @@
-"""Token-packed forwards (batchgen/diffusion/models/packed.py, packed_wan.py): several latent shapes
+"""Token-packed forwards (batchgen/diffusion/models/packed.py, packed_wan.py, packed_sd3.py, packed_flux.py): several latent shapes
 in one forward, against diffusers' own transformer forward per shape (fp32 CPU)."""
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import torch
 pytest.importorskip("diffusers")
 
 import tiny_diffusion as tiny  # noqa: E402
+import tiny_mmdit  # noqa: E402
 import tiny_wan  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
+from batchgen.diffusion.models.mmdit import predict_mmdit  # noqa: E402
 from batchgen.diffusion.models.packed import packable, predict_packed  # noqa: E402
 from batchgen.diffusion.models.pipeline import load_pipeline  # noqa: E402
 
@@ -20,7 +22,10 @@ def dirs(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("packed")
     return {"dit": tiny.build_dit(base / "dit", layers=2, heads=2, head_dim=8),
             "pixart": tiny.build_pixart(base / "pix"),
-            "wan": tiny_wan.build_wan(base / "wan")}
+            "wan": tiny_wan.build_wan(base / "wan"),
+            "sd3": tiny_mmdit.build_sd3(base / "sd3"),
+            "flux": tiny_mmdit.build_flux(base / "flux"),
+            "flux_schnell": tiny_mmdit.build_flux(base / "schnell", guidance=False)}
 
 
 def _parts(pipe, shapes, gen: torch.Generator):
@@ -29,7 +34,13 @@ def _parts(pipe, shapes, gen: torch.Generator):
     for b, shape in shapes:
         x = torch.randn(b, pipe.latent_channels, *shape, generator=gen)  # Wan: (latent frames, h, w)
         t = torch.randint(0, 1000, (b,), generator=gen)
-        if pipe.family == "wan":  # the transformer takes no mask: rows past a prompt are zeros
+        if pipe.family in ("sd3", "flux"):  # flow matching: timesteps are sigma x 1000, any real
+            t = torch.rand(b, generator=gen) * 1000
+            cond = {"embeds": torch.randn(b, pipe.text_length, m.config.joint_attention_dim, generator=gen),
+                    "pooled": torch.randn(b, m.config.pooled_projection_dim, generator=gen)}
+            if pipe.guidance_embeds:
+                cond["guidance"] = 1 + 4 * torch.rand(b, generator=gen)
+        elif pipe.family == "wan":  # the transformer takes no mask: rows past a prompt are zeros
             cond = {"embeds": torch.randn(b, pipe.text_length, m.config.text_dim, generator=gen)}
         elif pipe.family == "dit":
             cond = {"class_labels": torch.randint(0, 10, (b,), generator=gen)}
@@ -45,6 +56,11 @@ def _parts(pipe, shapes, gen: torch.Generator):
 
 def _diffusers(pipe, x, t, cond):
     m = pipe.transformer
+    if pipe.family == "flux":  # diffusers' forward on the inputs FluxPipeline makes
+        return predict_mmdit(pipe, x, t, cond)
+    if pipe.family == "sd3":
+        return m(hidden_states=x, timestep=t, encoder_hidden_states=cond["embeds"],
+                 pooled_projections=cond["pooled"], return_dict=False)[0]
     if pipe.family == "wan":
         return m(hidden_states=x, timestep=t, encoder_hidden_states=cond["embeds"], return_dict=False)[0]
     if pipe.family == "dit":
@@ -55,14 +71,16 @@ def _diffusers(pipe, x, t, cond):
 
 SHAPES = {"dit": [(3, (8, 8)), (2, (4, 4)), (1, (12, 12))],  # DiT's own forward unpatchifies squares only
           "pixart": [(3, (8, 8)), (2, (4, 6)), (1, (12, 8))],
-          "wan": [(3, (3, 4, 6)), (2, (2, 4, 4)), (1, (5, 6, 2))]}  # latent frames, h, w
+          "wan": [(3, (3, 4, 6)), (2, (2, 4, 4)), (1, (5, 6, 2))],  # latent frames, h, w
+          "sd3": [(3, (8, 8)), (2, (4, 6)), (1, (12, 8))],
+          "flux": [(3, (8, 8)), (2, (4, 6)), (1, (12, 8))]}  # (a dual-attention block and a last one without text out)
 
 
-@pytest.mark.parametrize("family", ["dit", "pixart", "wan"])
+@pytest.mark.parametrize("family", ["dit", "pixart", "wan", "sd3", "flux", "flux_schnell"])
 def test_packed_forward_equals_diffusers_per_shape(dirs, family):
     pipe = load_pipeline(dirs[family])
     assert pipe.packs
-    shapes = SHAPES[family]
+    shapes = SHAPES[pipe.family]
     parts = _parts(pipe, shapes, torch.Generator().manual_seed(0))
     with torch.no_grad():
         outs = predict_packed(pipe, parts)
@@ -83,6 +101,14 @@ def test_what_cannot_be_packed_is_named(dirs):
     pipe.transformer.transformer_blocks[1].attn1.set_processor(AttnProcessor())
     assert packable(pipe.transformer) == "block 1 attention processor is AttnProcessor"
     assert packable(torch.nn.Linear(2, 2)) == "the transformer has no transformer_blocks"
+    sd3 = load_pipeline(dirs["sd3"]).transformer
+    assert packable(sd3) is None
+    sd3.transformer_blocks[0].attn2.set_processor(AttnProcessor())
+    assert packable(sd3) == "block 0 attention processor is AttnProcessor"
+    flux = load_pipeline(dirs["flux"]).transformer
+    assert packable(flux) is None
+    flux.single_transformer_blocks[1].attn.processor._attention_backend = "flash"
+    assert packable(flux) == "single block 1 attention runs on a set backend or parallel config"
 
 
 def _mixed() -> list[ImageRequest]:

@@ -1,19 +1,20 @@
 """The MMDiT forward (SD3, Flux) for a group of one latent shape, at a timestep per sample: the
 inputs and calls diffusers' StableDiffusion3Pipeline and FluxPipeline make, per row.
 
-Not token-packed: joint attention runs over each sample's text and image tokens together and Flux
-rotates them by positions that depend on the latent shape, so several shapes would need our own
-copy of the blocks (packed.py does that for DiT and PixArt). Trajectories of one shape share a
-forward at any timesteps; each shape is its own forward.
+Degree-1 forwards run token-packed instead (packed_sd3.py, packed_flux.py); this one runs a
+transformer those do not (forward.predict): trajectories of one shape share a forward at any
+timesteps, and each shape is its own forward.
 
 Shapes: B rows (CFG's unconditional rows included), C latent channels, h x w latent, N = hw/4
 Flux tokens (2x2 patches packed into 4C channels), L text tokens, D joint width, P pooled width.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from .flux_latents import image_ids, pack, unpack
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -42,23 +43,3 @@ def predict_mmdit(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, cond: dict[s
             pooled_projections=cond["pooled"], encoder_hidden_states=cond["embeds"], txt_ids=text_ids,
             img_ids=image_ids(h // 2, w // 2, x.device, x.dtype), return_dict=False)[0]
     return unpack(out, h, w)
-
-
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, N, 4C] (FluxPipeline._pack_latents)."""
-    b, c, h, w = x.shape
-    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(z: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """[B, N, 4C] -> [B, C, h, w] (FluxPipeline._unpack_latents, in latent pixels)."""
-    b, _, c4 = z.shape
-    return z.view(b, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c4 // 4, h, w)
-
-
-def image_ids(rows: int, cols: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
-    """[rows x cols, 3] rope positions of the packed tokens (FluxPipeline._prepare_latent_image_ids)."""
-    ids = torch.zeros(rows, cols, 3)
-    ids[..., 1] = ids[..., 1] + torch.arange(rows)[:, None]
-    ids[..., 2] = ids[..., 2] + torch.arange(cols)[None, :]
-    return ids.reshape(rows * cols, 3).to(device=device, dtype=dtype)

@@ -19,12 +19,14 @@ samples; T = sum B_i N_i tokens; D hidden; H heads of size hd; L text tokens (Pi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .packed_flux import flux_packable, predict_flux_packed
+from .packed_parts import PackedLayout, join, merge_heads, self_attention, split_heads
+from .packed_sd3 import predict_sd3_packed, sd3_packable
 from .packed_wan import predict_wan_packed, wan_packable
 
 _NORMS = ("ada_norm_zero", "ada_norm_single")
@@ -32,9 +34,13 @@ _NORMS = ("ada_norm_zero", "ada_norm_single")
 
 def packable(transformer: Any) -> str | None:
     """None when every block can run packed, else why not (that transformer keeps diffusers'
-    own block forward, one forward per latent shape). Wan: packed_wan.py."""
+    own block forward, one forward per latent shape). Wan: packed_wan.py, SD3: packed_sd3.py, Flux: packed_flux.py."""
     if type(transformer).__name__ == "WanTransformer3DModel":
         return wan_packable(transformer)
+    if type(transformer).__name__ == "SD3Transformer2DModel":
+        return sd3_packable(transformer)
+    if type(transformer).__name__ == "FluxTransformer2DModel":
+        return flux_packable(transformer)
     blocks = getattr(transformer, "transformer_blocks", None)
     if not blocks:
         return "the transformer has no transformer_blocks"
@@ -61,42 +67,22 @@ def packable(transformer: Any) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    """Where each part lies in the packed matrices: tokens [start, start + B N), samples
-    [row, row + B)."""
-
-    parts: tuple[tuple[int, int, int, int], ...]  # (token start, sample row, B, N) per part
-    owner: torch.Tensor                            # [T] sample row of each token
-
-    @classmethod
-    def of(cls, sizes: Sequence[tuple[int, int]], device: Any) -> _Layout:
-        parts, start, row = [], 0, 0
-        for b, n in sizes:
-            parts.append((start, row, b, n))
-            start += b * n
-            row += b
-        # built on the host, then copied: no device sync for repeat_interleave's output size
-        counts = torch.tensor([n for b, n in sizes for _ in range(b)])
-        return cls(tuple(parts), torch.repeat_interleave(torch.arange(row), counts).to(device, non_blocking=True))
-
-    def per_token(self, v: torch.Tensor) -> torch.Tensor:
-        """[R, ..., D] per-sample values -> [T, D] (each token its sample's)."""
-        return v.reshape(v.shape[0], v.shape[-1]).index_select(0, self.owner)
-
-
 def predict_packed(pipe: Any, parts: Sequence[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
                    ) -> list[torch.Tensor]:
     """parts: (x [B_i, C, h_i, w_i], t [B_i], cond) as forward.predict takes them -> the model
     output [B_i, C_out, h_i, w_i] per part, from one packed forward (Wan: x [B_i, C, F'_i, h_i, w_i])."""
     if pipe.family == "wan":
         return predict_wan_packed(pipe, parts)
+    if pipe.family == "sd3":
+        return predict_sd3_packed(pipe, parts)
+    if pipe.family == "flux":
+        return predict_flux_packed(pipe, parts)
     m = pipe.transformer
     embedded = [m.pos_embed(x) for x, _, _ in parts]                     # [B_i, N_i, D]
-    layout = _Layout.of([(h.shape[0], h.shape[1]) for h in embedded], embedded[0].device)
-    hs = _join([h.reshape(-1, h.shape[-1]) for h in embedded])            # [T, D]
-    t = _join([t for _, t, _ in parts])
-    cond = {k: _join([c[k] for _, _, c in parts]) for k, v in parts[0][2].items() if v is not None}
+    layout = PackedLayout.of([(h.shape[0], h.shape[1]) for h in embedded], embedded[0].device)
+    hs = join([h.reshape(-1, h.shape[-1]) for h in embedded])            # [T, D]
+    t = join([t for _, t, _ in parts])
+    cond = {k: join([c[k] for _, _, c in parts]) for k, v in parts[0][2].items() if v is not None}
     if pipe.family == "dit":
         hs = _dit(m, hs, t, cond["class_labels"], layout)
     else:
@@ -110,19 +96,14 @@ def predict_packed(pipe: Any, parts: Sequence[tuple[torch.Tensor, torch.Tensor, 
     return outs
 
 
-def _join(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenated along dim 0; one part's tensor as it is (no copy)."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
-def _dit(m: Any, hs: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, layout: _Layout) -> torch.Tensor:
+def _dit(m: Any, hs: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
     tok = layout.per_token
     for block in m.transformer_blocks:
         n1 = block.norm1  # AdaLayerNormZero
         emb = n1.linear(n1.silu(n1.emb(t, labels, hidden_dtype=hs.dtype)))   # [R, 6D]
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
         x = n1.norm(hs) * tok(1 + scale_msa) + tok(shift_msa)
-        hs = tok(gate_msa) * _self_attention(block.attn1, x, layout) + hs
+        hs = tok(gate_msa) * self_attention(block.attn1, x, layout) + hs
         x = block.norm3(hs) * tok(1 + scale_mlp) + tok(shift_mlp)
         hs = tok(gate_mlp) * block.ff(x) + hs
     conditioning = m.transformer_blocks[0].norm1.emb(t, labels, hidden_dtype=hs.dtype)
@@ -131,7 +112,7 @@ def _dit(m: Any, hs: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, layout
     return m.proj_out_2(hs)                                               # [T, p*p*C_out]
 
 
-def _pixart(m: Any, hs: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], layout: _Layout) -> torch.Tensor:
+def _pixart(m: Any, hs: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor], layout: PackedLayout) -> torch.Tensor:
     tok = layout.per_token
     rows = t.shape[0]
     enc_bias = ((1 - cond["mask"].to(hs.dtype)) * -10000.0).unsqueeze(1)   # [R, 1, L]
@@ -144,7 +125,7 @@ def _pixart(m: Any, hs: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Ten
         mods = block.scale_shift_table[None] + tt.reshape(rows, 6, -1)   # [R, 6, D]
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=1)
         x = block.norm1(hs) * tok(1 + scale_msa) + tok(shift_msa)
-        hs = tok(gate_msa) * _self_attention(block.attn1, x, layout) + hs
+        hs = tok(gate_msa) * self_attention(block.attn1, x, layout) + hs
         if block.attn2 is not None:
             hs = _cross_attention(block.attn2, hs, enc, enc_bias, layout) + hs
         x = block.norm2(hs) * tok(1 + scale_mlp) + tok(shift_mlp)
@@ -155,27 +136,7 @@ def _pixart(m: Any, hs: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Ten
     return m.proj_out(hs)
 
 
-def _heads(z: torch.Tensor, b: int, heads: int) -> torch.Tensor:
-    """[b * n, H * hd] (or [b, n, H * hd]) -> [b, H, n, hd]"""
-    return z.view(b, -1, heads, z.shape[-1] // heads).transpose(1, 2)
-
-
-def _merge(parts: list[torch.Tensor]) -> torch.Tensor:
-    """[b_i, H, n_i, hd] per part -> [T, H * hd]"""
-    return _join([o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[3]) for o in parts])
-
-
-def _self_attention(a: Any, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    q, k, v = a.to_q(x), a.to_k(x), a.to_v(x)                            # [T, H * hd]
-    outs = []
-    for start, _, b, n in layout.parts:
-        span = slice(start, start + b * n)
-        outs.append(F.scaled_dot_product_attention(_heads(q[span], b, a.heads), _heads(k[span], b, a.heads),
-                                                   _heads(v[span], b, a.heads), dropout_p=0.0, is_causal=False))
-    return a.to_out[1](a.to_out[0](_merge(outs).to(q.dtype)))
-
-
-def _cross_attention(a: Any, x: torch.Tensor, enc: torch.Tensor, bias: torch.Tensor, layout: _Layout
+def _cross_attention(a: Any, x: torch.Tensor, enc: torch.Tensor, bias: torch.Tensor, layout: PackedLayout
                      ) -> torch.Tensor:
     q = a.to_q(x)                                                         # [T, H * hd]
     k, v = a.to_k(enc), a.to_v(enc)                                       # [R, L, H * hd]
@@ -184,6 +145,6 @@ def _cross_attention(a: Any, x: torch.Tensor, enc: torch.Tensor, bias: torch.Ten
     for start, row, b, n in layout.parts:
         mask = a.prepare_attention_mask(bias[row:row + b], length, b).view(b, a.heads, -1, length)
         outs.append(F.scaled_dot_product_attention(
-            _heads(q[start:start + b * n], b, a.heads), _heads(k[row:row + b], b, a.heads),
-            _heads(v[row:row + b], b, a.heads), attn_mask=mask, dropout_p=0.0, is_causal=False))
-    return a.to_out[1](a.to_out[0](_merge(outs).to(q.dtype)))
+            split_heads(q[start:start + b * n], b, a.heads), split_heads(k[row:row + b], b, a.heads),
+            split_heads(v[row:row + b], b, a.heads), attn_mask=mask, dropout_p=0.0, is_causal=False))
+    return a.to_out[1](a.to_out[0](merge_heads(outs).to(q.dtype)))

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel.sp_wan import apply_wan_rotary
+from .packed_parts import PackedLayout
 
 Part = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
@@ -50,8 +51,8 @@ def predict_wan_packed(pipe: Any, parts: Sequence[Part]) -> list[torch.Tensor]:
     xs = [x.to(m.dtype) for x, _, _ in parts]
     embedded = [m.patch_embedding(x).flatten(2).transpose(1, 2) for x in xs]    # [B_i, N_i, D]
     sizes = [(h.shape[0], h.shape[1]) for h in embedded]
-    owner = torch.repeat_interleave(torch.arange(sum(b for b, _ in sizes)),
-                                    torch.tensor([n for b, n in sizes for _ in range(b)])).to(xs[0].device)
+    layout = PackedLayout.of(sizes, xs[0].device)
+    owner, spans = layout.owner, list(layout.parts)
     hs = torch.cat([h.reshape(-1, h.shape[-1]) for h in embedded])[None]       # [1, T, D]
     rotary = [m.rope(x) for x in xs]                                            # ([1, N_i, 1, hd],) * 2
     cos = torch.cat([c.expand(b, -1, -1, -1).reshape(b * n, 1, -1) for (c, _), (b, n) in zip(rotary, sizes)])[None]
@@ -59,7 +60,6 @@ def predict_wan_packed(pipe: Any, parts: Sequence[Part]) -> list[torch.Tensor]:
     t = torch.cat([t for _, t, _ in parts])
     temb, proj, enc, _ = m.condition_embedder(t, torch.cat([c["embeds"] for _, _, c in parts]), None)
     proj = proj.unflatten(1, (6, -1)).index_select(0, owner)[None]            # [1, T, 6, D]
-    spans = _spans(sizes)
     for block in m.blocks:
         hs = _block(block, hs, enc, proj, (cos, sin), spans)
     shift, scale = (m.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)  # [R, 1, D]
@@ -72,15 +72,6 @@ def predict_wan_packed(pipe: Any, parts: Sequence[Part]) -> list[torch.Tensor]:
         o = hs[start:start + b * n].reshape(b, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
         outs.append(o.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3))
     return outs
-
-
-def _spans(sizes: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """(token start, sample row, B, N) of each part in the packed sequence."""
-    spans, start, row = [], 0, 0
-    for b, n in sizes:
-        spans.append((start, row, b, n))
-        start, row = start + b * n, row + b
-    return spans
 
 
 def _block(block: Any, hs: torch.Tensor, enc: torch.Tensor, proj: torch.Tensor,
