@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("diffusers")
 
 import tiny_diffusion as tiny  # noqa: E402
+import tiny_mmdit  # noqa: E402
 import tiny_wan  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
@@ -36,7 +37,9 @@ def pipes(tmp_path_factory: pytest.TempPathFactory):
     # 4 heads so degree 2 splits them; 12x12 latent / patch 2 = 36 tokens (sharded 18 + 18)
     return {"dit": tiny.build_dit(root / "dit", heads=4, sample_size=12),
             "pixart": tiny.build_pixart(root / "pixart", heads=4, sched="dpm"),
-            "wan": tiny_wan.build_wan(root / "wan")}  # 2 heads; 9 frames of 32 x 48 px: 3 x 2 x 3 tokens
+            "wan": tiny_wan.build_wan(root / "wan"),  # 2 heads; 9 frames of 32 x 48 px: 3 x 2 x 3 tokens
+            "sd3": tiny_mmdit.build_sd3(root / "sd3"),  # 4 heads, a dual-attention block; 24 x 16 px: 12 x 8 latent, 24 tokens
+            "flux": tiny_mmdit.build_flux(root / "flux")}  # 2 heads; 24 x 16 px: 24 packed tokens
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def _finish(engine: DiffusionEngine, state: bytes) -> np.ndarray:
     return outs[0].array
 
 
-@pytest.mark.parametrize("family", ["dit", "pixart", "wan"])
+@pytest.mark.parametrize("family", ["dit", "pixart", "wan", "sd3", "flux"])
 def test_degree_1_2_and_switch_mid_trajectory_equal_degree_1(pipes, cluster, family):
     from batchgen.diffusion.distributed.world import run_steps
 
@@ -79,6 +82,9 @@ def test_degree_1_2_and_switch_mid_trajectory_equal_degree_1(pipes, cluster, fam
         req = ImageRequest(prompt="a small boat", height=32, width=48, num_frames=9, num_inference_steps=6,
                            guidance_scale=3.0, seed=1)
         opts = {"max_sequence_length": tiny_wan.TEXT_LENGTH}
+    elif family in ("sd3", "flux"):
+        req = ImageRequest(prompt="a small boat", height=24, width=16, num_inference_steps=6, guidance_scale=3.0, seed=1)
+        opts = {"max_sequence_length": tiny_mmdit.T5_LENGTH}
     else:
         req = ImageRequest(prompt="a small boat", height=24, width=24, num_inference_steps=6, guidance_scale=3.0, seed=1)
         opts = {"max_sequence_length": tiny.T5_MAX_LENGTH}

@@ -88,10 +88,7 @@ def request_view(pipe: Any, index: int, req: ImageRequest, arrival: float, deadl
 
 
 def allowed_degrees(pipe: Any, workers: int) -> tuple[int, ...]:
-    """Degrees the Ulysses split allows: they divide the attention heads (SD3 and Flux: 1, their
-    forward has no sequence-parallel path)."""
-    if pipe.family in ("sd3", "flux"):
-        return (1,)
+    """Degrees the Ulysses split allows: they divide the attention heads."""
     heads = pipe.transformer.config.num_attention_heads
     return tuple(d for d in range(1, workers + 1) if heads % d == 0)
 

@@ -28,15 +28,12 @@ def predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, cond: dict[str, to
             sp: UlyssesShard | None = None) -> torch.Tensor:
     """x: [B, C, h, w], t: [B] -> model output [B, C_out, h, w]. cond: DiT {"class_labels": [B]};
     PixArt {"embeds": [B, L, Dc], "mask": [B, L]} (+ "resolution" [B, 2], "aspect_ratio" [B, 1]);
-    SD3 / Flux: the rows the engine builds in engine/denoise.py (no sequence parallelism; SD3 packed: packed_sd3.py);
+    SD3 / Flux: the rows the engine builds in engine/denoise.py (models/mmdit.py);
     Wan: x [B, C, F', h, w], cond {"embeds": [B, L, D]} (models/wan.py)."""
     if pipe.family == "wan" and (sp is not None or not pipe.packs):
         return predict_wan(pipe, x, t, cond, sp)
-    if pipe.family in MMDIT:
-        if sp is not None:
-            raise ValueError(f"sequence-parallel forwards are not implemented for {pipe.pipeline_class}")
-        if not pipe.packs:  # Flux, or an SD3 transformer packed_sd3.py does not run
-            return predict_mmdit(pipe, x, t, cond)
+    if pipe.family in MMDIT and (sp is not None or not pipe.packs):
+        return predict_mmdit(pipe, x, t, cond, sp)
     if sp is None and pipe.packs:
         return predict_packed(pipe, [(x, t, cond)])[0]
     m = pipe.transformer

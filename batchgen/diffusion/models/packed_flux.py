@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..parallel.sp_mmdit import apply_flux_rotary
 from .flux_latents import image_ids, pack, unpack
 from .packed_parts import PackedLayout, join
 
@@ -146,16 +147,8 @@ def _single(block: Any, js: torch.Tensor, temb: torch.Tensor, rotary: list[Rotar
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: Rotary) -> torch.Tensor:
     """FluxAttnProcessor past the projections: [b, S, H, hd] rotated, attended (diffusers' native
     backend) -> [b, S, H hd]."""
-    q, k = _rotate(q, *cos_sin), _rotate(k, *cos_sin)
+    q, k = apply_flux_rotary(q, *cos_sin), apply_flux_rotary(k, *cos_sin)
     out = F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3),
                                          dropout_p=0.0, is_causal=False).permute(0, 2, 1, 3)
     return out.flatten(2, 3).to(q.dtype)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """diffusers' apply_rotary_emb as Flux calls it (real pairs, sequence_dim 1): x [b, S, H, hd],
-    cos / sin [S, hd]."""
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
