@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import tiny_mmdit as tm  # noqa: E402
-from tiny_diffusion import run_resumed  # noqa: E402
+from tiny_diffusion import run_resumed, suspended_in_company  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
 from batchgen.errors import ModelLoadError, RequestError, StateError, UnsupportedModelError  # noqa: E402
@@ -75,24 +75,7 @@ def test_suspend_resume_on_another_engine(dirs, family):
     path = dirs[family]
     req = ImageRequest(prompt="a blue bird", height=32, width=16, num_inference_steps=4, guidance_scale=3.0, seed=5)
     company = ImageRequest(prompt="a tree", height=16, width=24, num_inference_steps=3, seed=6)
-
-    def two_steps_in_company(engine) -> int:
-        tid = engine.add_request(req)
-        engine.step()
-        # joins at step 1 (admitted alone: prompts encoded in one batch differ in the last bits)
-        other = engine.add_request(company)
-        engine.step()
-        engine.suspend(other)
-        return tid
-
-    kept = _engine(path)
-    two_steps_in_company(kept)
-    outs = []
-    while kept.has_unfinished():
-        outs += kept.step()
-    whole = outs[0].array
-    first = _engine(path)
-    data = first.suspend(two_steps_in_company(first))
+    whole, data = suspended_in_company(lambda: _engine(path), req, company)
     traj = pickle.loads(data)[1]
     assert traj.step == 2 and traj.scheduler_state["_step_index"] == 2
     assert np.array_equal(run_resumed(_engine(path), data)[0], whole)

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import tiny_wan as tw  # noqa: E402
-from tiny_diffusion import run_resumed  # noqa: E402
+from tiny_diffusion import run_resumed, suspended_in_company  # noqa: E402
 
 from batchgen.diffusion import DiffusionEngine, ImageRequest  # noqa: E402
 from batchgen.errors import RequestError  # noqa: E402
@@ -86,22 +86,7 @@ def test_suspend_resume_on_another_engine(dirs, sched):
                        guidance_scale=4.0, seed=5)
     company = ImageRequest(prompt="a tree", height=16, width=16, num_frames=5, num_inference_steps=3, seed=6)
 
-    def two_steps_in_company(engine: DiffusionEngine) -> int:
-        tid = engine.add_request(req)
-        engine.step()
-        other = engine.add_request(company)
-        engine.step()  # one packed forward for both shapes
-        engine.suspend(other)
-        return tid
-
-    kept = _engine(wan)
-    two_steps_in_company(kept)
-    outs = []
-    while kept.has_unfinished():
-        outs += kept.step()
-    whole = outs[0].array
-    first = _engine(wan)
-    data = first.suspend(two_steps_in_company(first))
+    whole, data = suspended_in_company(lambda: _engine(wan), req, company)
     traj = pickle.loads(data)[1]
     assert traj.step == 2 and traj.num_frames == 9 and tuple(traj.latents.shape) == (16, 3, 4, 2)
     assert np.array_equal(run_resumed(_engine(wan), data)[0], whole)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,25 @@ def run_resumed(engine: Any, data: bytes) -> list[Any]:
     while engine.has_unfinished():
         outs += engine.step()
     return [o.array for o in sorted(outs, key=lambda o: o.index)]
+
+
+def suspended_in_company(make_engine: Callable[[], Any], req: Any, company: Any) -> tuple[Any, bytes]:
+    """`req` takes a step alone, then one beside `company` (another shape: packed, one forward),
+    which then leaves -> (req's array on an engine where it kept going, req suspended at step 2 on
+    another engine after the same two steps)."""
+    def two_steps(engine: Any) -> int:
+        tid = engine.add_request(req)
+        engine.step()
+        # joins at step 1 (admitted alone: prompts encoded in one batch differ in the last bits)
+        other = engine.add_request(company)
+        engine.step()
+        engine.suspend(other)
+        return tid
+
+    kept = make_engine()
+    two_steps(kept)
+    outs = []
+    while kept.has_unfinished():
+        outs += kept.step()
+    first = make_engine()
+    return outs[0].array, first.suspend(two_steps(first))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .packed_flux import flux_packable, predict_flux_packed
-from .packed_parts import PackedLayout, join, merge_heads, self_attention, split_heads
+from .packed_parts import PackedLayout, join, merge_heads, self_attention, split_heads, unpatchify
 from .packed_sd3 import predict_sd3_packed, sd3_packable
 from .packed_wan import predict_wan_packed, wan_packable
 
@@ -87,13 +87,7 @@ def predict_packed(pipe: Any, parts: Sequence[tuple[torch.Tensor, torch.Tensor, 
         hs = _dit(m, hs, t, cond["class_labels"], layout)
     else:
         hs = _pixart(m, hs, t, cond, layout)
-    p, c_out = pipe.patch_size, m.out_channels
-    outs = []
-    for (start, _, b, n), (x, _, _) in zip(layout.parts, parts):
-        hp, wp = x.shape[-2] // p, x.shape[-1] // p
-        o = hs[start:start + b * n].reshape(b, hp, wp, p, p, c_out)
-        outs.append(torch.einsum("nhwpqc->nchpwq", o).reshape(b, c_out, hp * p, wp * p))
-    return outs
+    return unpatchify(hs, layout, [x.shape[-2:] for x, _, _ in parts], pipe.patch_size, m.out_channels)
 
 
 def _dit(m: Any, hs: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, layout: PackedLayout) -> torch.Tensor:

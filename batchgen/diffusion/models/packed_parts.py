@@ -44,6 +44,17 @@ def join(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
+def unpatchify(hs: torch.Tensor, layout: PackedLayout, sizes: Sequence[Sequence[int]], p: int, c_out: int
+               ) -> list[torch.Tensor]:
+    """[T, p p C_out] packed output, sizes: each part's latent (h_i, w_i) -> [B_i, C_out, h_i, w_i]
+    per part (diffusers' unpatchify of a p x p patch transformer)."""
+    outs = []
+    for (start, _, b, n), (h, w) in zip(layout.parts, sizes):
+        o = hs[start:start + b * n].reshape(b, h // p, w // p, p, p, c_out)
+        outs.append(torch.einsum("nhwpqc->nchpwq", o).reshape(b, c_out, h, w))
+    return outs
+
+
 def split_heads(z: torch.Tensor, b: int, heads: int) -> torch.Tensor:
     """[b * n, H * hd] (or [b, n, H * hd]) -> [b, H, n, hd]"""
     return z.view(b, -1, heads, z.shape[-1] // heads).transpose(1, 2)

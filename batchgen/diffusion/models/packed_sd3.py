@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .packed_parts import PackedLayout, join, self_attention, split_heads
+from .packed_parts import PackedLayout, join, self_attention, split_heads, unpatchify
 
 Part = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
@@ -59,13 +59,7 @@ def predict_sd3_packed(pipe: Any, parts: Sequence[Part]) -> list[torch.Tensor]:
     norm = m.norm_out  # AdaLayerNormContinuous: scale first, then shift
     scale, shift = norm.linear(norm.silu(temb).to(hs.dtype)).chunk(2, dim=1)
     hs = m.proj_out(norm.norm(hs) * tok(1 + scale) + tok(shift))         # [T, p p C_out]
-    p, c_out = m.config.patch_size, m.out_channels
-    outs = []
-    for (start, _, b, n), (x, _, _) in zip(layout.parts, parts):
-        hp, wp = x.shape[-2] // p, x.shape[-1] // p
-        o = hs[start:start + b * n].reshape(b, hp, wp, p, p, c_out)
-        outs.append(torch.einsum("nhwpqc->nchpwq", o).reshape(b, c_out, hp * p, wp * p))
-    return outs
+    return unpatchify(hs, layout, [x.shape[-2:] for x, _, _ in parts], m.config.patch_size, m.out_channels)
 
 
 def _block(block: Any, hs: torch.Tensor, enc: torch.Tensor, temb: torch.Tensor, layout: PackedLayout
