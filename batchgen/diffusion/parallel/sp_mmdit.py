@@ -36,11 +36,12 @@ def apply_flux_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 def ulysses_joint(shard: UlyssesShard, image: QKV, text: QKV | None, text_first: bool,
-                  rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+                  rotary: tuple[torch.Tensor, torch.Tensor] | None = None, text_out: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """image q/k/v [B, n_me, H, hd] (this member's tokens, all heads), text q/k/v [B, L, H, hd]
     (every member's, all heads) or None -> attention output for this member's image tokens
-    [B, n_me, H hd] and for the text tokens [B, L, H hd] (all heads, on every member)."""
+    [B, n_me, H hd] and for the text tokens [B, L, H hd] (all heads, on every member; None
+    without text, or with text_out False: a last block that drops it skips the gather)."""
     q, k, v = (shard.heads_to_tokens(z) for z in image)                  # [B, N, H/k, hd]
     n = q.shape[1]
     length = 0
@@ -56,12 +57,11 @@ def ulysses_joint(shard: UlyssesShard, image: QKV, text: QKV | None, text_first:
                                          dropout_p=0.0, is_causal=False).transpose(1, 2).to(q.dtype)  # [B, S, H/k, hd]
     image_out = out[:, length:] if text_first else out[:, :n]
     image_out = shard.tokens_to_heads(image_out.contiguous()).flatten(2, 3)
-    if text is None:
+    if text is None or not text_out:
         return image_out, None
-    text_out = out[:, :length] if text_first else out[:, n:]
-    shapes = [tuple(text_out.shape)] * shard.group.size
-    text_out = torch.cat(all_gather(shard.group, text_out.contiguous(), shapes), dim=2).flatten(2, 3)
-    return image_out, text_out
+    mine_out = out[:, :length] if text_first else out[:, n:]
+    shapes = [tuple(mine_out.shape)] * shard.group.size
+    return image_out, torch.cat(all_gather(shard.group, mine_out.contiguous(), shapes), dim=2).flatten(2, 3)
 
 
 class UlyssesJointProcessor:
@@ -91,10 +91,9 @@ class UlyssesJointProcessor:
             cq = attn.norm_added_q(cq)
         if attn.norm_added_k is not None:
             ck = attn.norm_added_k(ck)
-        image, text = ulysses_joint(self.shard, (q, k, v), (cq, ck, cv), text_first=False)
-        if not attn.context_pre_only:
-            text = attn.to_add_out(text)
-        return attn.to_out[1](attn.to_out[0](image)), text
+        image, text = ulysses_joint(self.shard, (q, k, v), (cq, ck, cv), text_first=False,
+                                    text_out=not attn.context_pre_only)
+        return attn.to_out[1](attn.to_out[0](image)), (None if text is None else attn.to_add_out(text))
 
 
 class UlyssesFluxProcessor:
