@@ -38,6 +38,7 @@ def pipes(tmp_path_factory: pytest.TempPathFactory):
     return {"dit": tiny.build_dit(root / "dit", heads=4, sample_size=12),
             "pixart": tiny.build_pixart(root / "pixart", heads=4, sched="dpm"),
             "wan": tiny_wan.build_wan(root / "wan"),  # 2 heads; 9 frames of 32 x 48 px: 3 x 2 x 3 tokens
+            "wan22": tiny_wan.build_wan(root / "wan22", boundary_ratio=0.9),  # its 6 steps: 3 on each expert
             "sd3": tiny_mmdit.build_sd3(root / "sd3"),  # 4 heads, a dual-attention block; 24 x 16 px: 12 x 8 latent, 24 tokens
             "flux": tiny_mmdit.build_flux(root / "flux")}  # 2 heads; 24 x 16 px: 24 packed tokens
 
@@ -69,7 +70,7 @@ def _finish(engine: DiffusionEngine, state: bytes) -> np.ndarray:
     return outs[0].array
 
 
-@pytest.mark.parametrize("family", ["dit", "pixart", "wan", "sd3", "flux"])
+@pytest.mark.parametrize("family", ["dit", "pixart", "wan", "wan22", "sd3", "flux"])
 def test_degree_1_2_and_switch_mid_trajectory_equal_degree_1(pipes, cluster, family):
     from batchgen.diffusion.distributed.world import run_steps
 
@@ -78,7 +79,7 @@ def test_degree_1_2_and_switch_mid_trajectory_equal_degree_1(pipes, cluster, fam
     path = str(pipes[family])
     if family == "dit":
         req, opts = ImageRequest(class_label=2, num_inference_steps=6, guidance_scale=3.0, seed=1), {}
-    elif family == "wan":
+    elif family in ("wan", "wan22"):
         req = ImageRequest(prompt="a small boat", height=32, width=48, num_frames=9, num_inference_steps=6,
                            guidance_scale=3.0, seed=1)
         opts = {"max_sequence_length": tiny_wan.TEXT_LENGTH}

@@ -75,6 +75,28 @@ def test_matches_diffusers_mixed_frames_and_sizes_combined_per_step(dirs, sched)
     assert max(gaps) <= TOL, gaps
 
 
+def test_wan22_two_experts_each_take_their_steps_as_diffusers(tmp_path):
+    """Wan 2.2 A14B's layout: transformer_2 runs the steps below boundary_ratio x 1000 (with shift
+    7 and 3 steps the timesteps are 1000, 876.5, 46.8: boundary 900 gives the first step to
+    `transformer`). A request joining a step late puts both experts in one step."""
+    path = tw.build_wan(tmp_path / "wan22", boundary_ratio=0.9, seed=4)
+    engine = _engine(path)
+    assert engine.pipe.transformer_2 is not None and engine.pipe.boundary_ratio == 0.9
+    first, late = MIXED[3], MIXED[0]
+    ids = [engine.add_request(first)]
+    engine.step()
+    ids.append(engine.add_request(late))  # at step 1 `first` is at 876.5 (low noise), `late` at 1000
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    got = {o.index: o for o in outs}
+    for r, tid in zip((first, late), ids):
+        assert got[tid].error is None and _gap(got[tid].array, _ref(path, r)) <= TOL
+    # without its second expert (transformer alone throughout) the video is another one
+    alone = tw.build_wan(tmp_path / "wan21", seed=4)
+    assert _gap(_engine(alone).generate_outputs([first])[0].array, _ref(path, first)) > 100 * TOL
+
+
 @pytest.mark.parametrize("sched", ["euler", "unipc"])
 def test_suspend_resume_on_another_engine(dirs, sched):
     """Suspended at step 2 while it shares the engine (and, packed, its forwards) with a request of
@@ -218,7 +240,7 @@ def test_unsupported_wan_components_fail_at_load(wan, tmp_path):
 
     from tiny_diffusion import scheduler
 
-    from batchgen.errors import UnsupportedModelError
+    from batchgen.errors import ModelLoadError, UnsupportedModelError
 
     def copy_with(name: str, **entries: object) -> Path:  # the pipeline with model_index.json entries set
         dst = shutil.copytree(wan, tmp_path / name)
@@ -230,8 +252,13 @@ def test_unsupported_wan_components_fail_at_load(wan, tmp_path):
     scheduler("ddim").save_pretrained(bad / "scheduler")
     with pytest.raises(UnsupportedModelError, match="DDIMScheduler.*not supported for wan"):
         DiffusionEngine(bad)
-    with pytest.raises(UnsupportedModelError, match="transformer_2"):
+    # Wan 2.2's second expert needs its folder and a boundary in (0, 1)
+    with pytest.raises(ModelLoadError, match="'transformer_2' must be a WanTransformer3DModel with a transformer_2/"):
         DiffusionEngine(copy_with("two", transformer_2=["diffusers", "WanTransformer3DModel"]))
+    two = copy_with("boundary", transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=1.5)
+    shutil.copytree(two / "transformer", two / "transformer_2")
+    with pytest.raises(ModelLoadError, match="boundary_ratio must be a number in \\(0, 1\\), got 1.5"):
+        DiffusionEngine(two)
     with pytest.raises(UnsupportedModelError, match="expand_timesteps"):
         DiffusionEngine(copy_with("ti2v", expand_timesteps=True))
 

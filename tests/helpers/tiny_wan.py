@@ -27,9 +27,11 @@ def flow_scheduler(**kw: Any) -> Any:
     return FlowMatchEulerDiscreteScheduler(**kw)
 
 
-def build_wan(path: str | os.PathLike, *, seed: int = 0, scheduler: Any = None) -> Path:
+def build_wan(path: str | os.PathLike, *, seed: int = 0, scheduler: Any = None,
+              boundary_ratio: float | None = None) -> Path:
     """WanPipeline at `path`; scheduler: FlowMatchEulerDiscreteScheduler(shift=7.0) by default
-    (diffusers' Wan tests)."""
+    (diffusers' Wan tests). boundary_ratio: a second, differently drawn transformer as Wan 2.2
+    A14B's low-noise expert (transformer_2), taking the steps below that share of the timesteps."""
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -48,8 +50,14 @@ def build_wan(path: str | os.PathLike, *, seed: int = 0, scheduler: Any = None) 
                                         num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                                         rope_max_seq_len=32)
     randomize(transformer, seed)
+    second = None
+    if boundary_ratio is not None:
+        second = WanTransformer3DModel.from_config(transformer.config)
+        randomize(second, seed + 10)
+        second = second.eval()
     pipe = WanPipeline(tokenizer=tok, text_encoder=enc.eval(), vae=vae.eval(), transformer=transformer.eval(),
-                       scheduler=scheduler if scheduler is not None else flow_scheduler(shift=7.0))
+                       scheduler=scheduler if scheduler is not None else flow_scheduler(shift=7.0),
+                       transformer_2=second, boundary_ratio=boundary_ratio)
     pipe.save_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
     _BUILT[str(path)] = pipe

@@ -18,6 +18,7 @@ from .mmdit import predict_mmdit
 from .packed import predict_packed
 from .pipeline import MMDIT
 from .wan import predict_wan
+from .wan_experts import per_expert
 
 if TYPE_CHECKING:
     from ..parallel.sp import UlyssesShard
@@ -30,6 +31,8 @@ def predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, cond: dict[str, to
     PixArt {"embeds": [B, L, Dc], "mask": [B, L]} (+ "resolution" [B, 2], "aspect_ratio" [B, 1]);
     SD3 / Flux: the rows the engine builds in engine/denoise.py (models/mmdit.py);
     Wan: x [B, C, F', h, w], cond {"embeds": [B, L, D]} (models/wan.py)."""
+    if pipe.transformer_2 is not None:  # Wan 2.2: each row through the expert of its timestep
+        return per_expert(pipe, [(x, t, cond)], lambda view, parts: [predict(view, *p, sp) for p in parts])[0]
     if pipe.family == "wan" and (sp is not None or not pipe.packs):
         return predict_wan(pipe, x, t, cond, sp)
     if pipe.family in MMDIT and (sp is not None or not pipe.packs):

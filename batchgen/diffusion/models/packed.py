@@ -28,6 +28,7 @@ from .packed_flux import flux_packable, predict_flux_packed
 from .packed_parts import PackedLayout, join, merge_heads, self_attention, split_heads, unpatchify
 from .packed_sd3 import predict_sd3_packed, sd3_packable
 from .packed_wan import predict_wan_packed, wan_packable
+from .wan_experts import per_expert
 
 _NORMS = ("ada_norm_zero", "ada_norm_single")
 
@@ -71,6 +72,8 @@ def predict_packed(pipe: Any, parts: Sequence[tuple[torch.Tensor, torch.Tensor, 
                    ) -> list[torch.Tensor]:
     """parts: (x [B_i, C, h_i, w_i], t [B_i], cond) as forward.predict takes them -> the model
     output [B_i, C_out, h_i, w_i] per part, from one packed forward (Wan: x [B_i, C, F'_i, h_i, w_i])."""
+    if pipe.transformer_2 is not None:  # Wan 2.2: each expert's rows in a packed forward of its own
+        return per_expert(pipe, parts, predict_wan_packed)
     if pipe.family == "wan":
         return predict_wan_packed(pipe, parts)
     if pipe.family == "sd3":

@@ -35,7 +35,7 @@ PIPELINES: dict[str, tuple[str, tuple[str, ...]]] = {
                                          "text_encoder_2", "tokenizer_2")),
     "FluxPipeline": ("flux", ("transformer", "vae", "scheduler", "text_encoder", "tokenizer", "text_encoder_2",
                               "tokenizer_2")),
-    # Wan 2.1 text-to-video (transformer_2, Wan 2.2's low-noise expert, must be absent)
+    # Wan 2.1 text-to-video; Wan 2.2 A14B adds transformer_2 (the low-noise expert) and boundary_ratio
     "WanPipeline": ("wan", ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")),
 }
 TRANSFORMERS = {"dit": "DiTTransformer2DModel", "pixart": "PixArtTransformer2DModel",
@@ -71,6 +71,8 @@ class Pipeline:
     id2label: dict[int, str] = field(default_factory=dict)
     max_sequence_length: int = 0     # text pipelines: prompts are padded to this many tokens
     packs: bool = False              # degree-1 forwards run token-packed (packed.py): set at load
+    transformer_2: Any = None        # Wan 2.2's low-noise expert: it runs the steps below the boundary
+    boundary_ratio: float | None = None  # ... timestep boundary_ratio x num_train_timesteps (WanPipeline's)
 
     @property
     def latent_channels(self) -> int:
@@ -230,7 +232,12 @@ def read_index(path: str | os.PathLike) -> tuple[Path, dict[str, Any], str]:
         raise UnsupportedModelError(f"{root}: VAE class {index['vae'][1]!r} is not supported (expected {vae})")
     extra = index.get("transformer_2")
     if family == "wan" and extra and extra[1] is not None:
-        raise UnsupportedModelError(f"{root}: a WanPipeline with transformer_2 (Wan 2.2's two experts) is not supported")
+        if extra[1] != TRANSFORMERS[family] or not (root / "transformer_2").is_dir():
+            raise ModelLoadError(f"{root}: model_index.json entry 'transformer_2' must be a WanTransformer3DModel "
+                                 f"with a transformer_2/ folder, got {extra!r}")
+        ratio = index.get("boundary_ratio")
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1):
+            raise ModelLoadError(f"{root}: model_index.json boundary_ratio must be a number in (0, 1), got {ratio!r}")
     if family == "wan" and index.get("expand_timesteps"):
         raise UnsupportedModelError(f"{root}: a WanPipeline with expand_timesteps (Wan 2.2 TI2V: a timestep per "
                                     "token) is not supported")
@@ -269,6 +276,12 @@ def load_pipeline(path: str | os.PathLike, dtype: str = "float32", device: str =
                     vae=vae.to(device).eval(), scheduler_class=sched_class, scheduler_config=sched_config,
                     scheduler_options=dict(built.config),
                     packs=packable(transformer) is None)
+    extra = index.get("transformer_2")
+    if family == "wan" and extra and extra[1] is not None and index.get("boundary_ratio") is not None:
+        # (without a boundary WanPipeline runs `transformer` alone: transformer_2 is not loaded)
+        second = load_module(getattr(diffusers, TRANSFORMERS[family]), root / "transformer_2", torch_dtype)
+        pipe.transformer_2, pipe.boundary_ratio = second.to(device).eval(), float(index["boundary_ratio"])
+        pipe.packs = pipe.packs and packable(second) is None
     pipe.max_sequence_length = int(max_sequence_length or MAX_SEQUENCE_LENGTH.get(cls, 0))
     if family == "dit":
         pipe.id2label = {int(k): v for k, v in (index.get("id2label") or {}).items()}
