@@ -25,9 +25,9 @@ def boundary_timestep(pipe: Any) -> float:
 def per_expert(pipe: Any, parts: Sequence[Part], run: Callable[[Any, list[Part]], list[torch.Tensor]]
                ) -> list[torch.Tensor]:
     """pipe: a models.pipeline.Pipeline with a transformer_2 (typed Any, as packed.py takes it:
-    pipeline.py imports this side). Each part's rows split by expert, each expert's share through `run` (given a pipeline whose
-    `transformer` is that expert and which has no second one) -> the outputs per part, rows in
-    the parts' order."""
+    pipeline.py imports this side). Each part's rows split by expert, each expert's share through
+    `run` (given a pipeline whose `transformer` is that expert and which has no second one) ->
+    the outputs per part, rows in the parts' order."""
     boundary = boundary_timestep(pipe)
     experts = ((replace(pipe, transformer_2=None, boundary_ratio=None), True),
                (replace(pipe, transformer=pipe.transformer_2, transformer_2=None, boundary_ratio=None), False))
