@@ -1,18 +1,22 @@
 """Ulysses sequence parallelism over a group-free Group: image tokens sharded across the members,
 all-to-all over heads around self-attention (each member attends all tokens for H/k heads).
+`ulysses_joint` is that attention, optionally joined with text tokens every member holds
+(the MMDiT families: sp_mmdit.py).
 
 Shapes: B batch, N tokens (member i holds n_i, torch.tensor_split order), H heads, D head dim.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .groups import Group, all_gather, all_to_all
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class UlyssesShard:
@@ -55,6 +59,35 @@ class UlyssesShard:
         return self_attention_processors(model.transformer_blocks, _UlyssesProcessor(self))
 
 
+def ulysses_joint(shard: UlyssesShard, image: QKV, text: QKV | None, text_first: bool,
+                  rotate: Callable[[torch.Tensor], torch.Tensor] | None = None, text_out: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """image q/k/v [B, n_me, H, hd] (this member's tokens, all heads), text q/k/v [B, L, H, hd]
+    (every member's, all heads) or None -> attention output for this member's image tokens
+    [B, n_me, H hd] and for the text tokens [B, L, H hd] (all heads, on every member; None
+    without text, or with text_out False: a last block that drops it skips the gather)."""
+    q, k, v = (shard.heads_to_tokens(z) for z in image)                  # [B, N, H/k, hd]
+    n = q.shape[1]
+    length = 0
+    if text is not None:
+        per = q.shape[2]
+        mine = slice(shard.me * per, (shard.me + 1) * per)
+        length = text[0].shape[1]
+        q, k, v = (torch.cat([t[:, :, mine], z] if text_first else [z, t[:, :, mine]], dim=1)
+                   for t, z in zip(text, (q, k, v)))
+    if rotate is not None:  # (Flux: the whole sequence's rotary table)
+        q, k = rotate(q), rotate(k)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         dropout_p=0.0, is_causal=False).transpose(1, 2).to(q.dtype)  # [B, S, H/k, hd]
+    image_out = out[:, length:] if text_first else out[:, :n]
+    image_out = shard.tokens_to_heads(image_out.contiguous()).flatten(2, 3)
+    if text is None or not text_out:
+        return image_out, None
+    mine_out = out[:, :length] if text_first else out[:, n:]
+    shapes = [tuple(mine_out.shape)] * shard.group.size
+    return image_out, torch.cat(all_gather(shard.group, mine_out.contiguous(), shapes), dim=2).flatten(2, 3)
+
+
 @contextlib.contextmanager
 def self_attention_processors(blocks: Iterable[Any], processor: Any) -> Iterator[None]:
     """Every block's self-attention (attn1) runs `processor` inside the `with`, and its own
@@ -91,9 +124,7 @@ class _UlyssesProcessor:
             q = attn.norm_q(q)
         if attn.norm_k is not None:
             k = attn.norm_k(k)
-        q, k, v = (self.shard.heads_to_tokens(t).transpose(1, 2) for t in (q, k, v))   # [B, H/k, N, D]
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        out = self.shard.tokens_to_heads(out.transpose(1, 2)).reshape(b, n, attn.heads * d).to(q.dtype)
+        out, _ = ulysses_joint(self.shard, (q, k, v), None, text_first=False)
         out = attn.to_out[1](attn.to_out[0](out))
         if attn.residual_connection:
             out = out + residual

@@ -18,12 +18,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .groups import all_gather
-from .sp import UlyssesShard
-
-QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+from .sp import UlyssesShard, ulysses_joint
 
 
 def apply_flux_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -33,35 +29,6 @@ def apply_flux_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
     rotated = torch.stack([-imag, real], dim=-1).flatten(3)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-def ulysses_joint(shard: UlyssesShard, image: QKV, text: QKV | None, text_first: bool,
-                  rotary: tuple[torch.Tensor, torch.Tensor] | None = None, text_out: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """image q/k/v [B, n_me, H, hd] (this member's tokens, all heads), text q/k/v [B, L, H, hd]
-    (every member's, all heads) or None -> attention output for this member's image tokens
-    [B, n_me, H hd] and for the text tokens [B, L, H hd] (all heads, on every member; None
-    without text, or with text_out False: a last block that drops it skips the gather)."""
-    q, k, v = (shard.heads_to_tokens(z) for z in image)                  # [B, N, H/k, hd]
-    n = q.shape[1]
-    length = 0
-    if text is not None:
-        per = q.shape[2]
-        mine = slice(shard.me * per, (shard.me + 1) * per)
-        length = text[0].shape[1]
-        q, k, v = (torch.cat([t[:, :, mine], z] if text_first else [z, t[:, :, mine]], dim=1)
-                   for t, z in zip(text, (q, k, v)))
-    if rotary is not None:
-        q, k = apply_flux_rotary(q, *rotary), apply_flux_rotary(k, *rotary)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         dropout_p=0.0, is_causal=False).transpose(1, 2).to(q.dtype)  # [B, S, H/k, hd]
-    image_out = out[:, length:] if text_first else out[:, :n]
-    image_out = shard.tokens_to_heads(image_out.contiguous()).flatten(2, 3)
-    if text is None or not text_out:
-        return image_out, None
-    mine_out = out[:, :length] if text_first else out[:, n:]
-    shapes = [tuple(mine_out.shape)] * shard.group.size
-    return image_out, torch.cat(all_gather(shard.group, mine_out.contiguous(), shapes), dim=2).flatten(2, 3)
 
 
 class UlyssesJointProcessor:
@@ -120,7 +87,9 @@ class UlyssesFluxProcessor:
         else:
             length = self.text_length or 0
             text, image = tuple(z[:, :length] for z in (q, k, v)), tuple(z[:, length:] for z in (q, k, v))
-        image_out, text_out = ulysses_joint(self.shard, image, text, text_first=True, rotary=image_rotary_emb)
+        rotary = image_rotary_emb
+        rotate = None if rotary is None else (lambda z: apply_flux_rotary(z, *rotary))
+        image_out, text_out = ulysses_joint(self.shard, image, text, text_first=True, rotate=rotate)
         if encoder_hidden_states is None:
             return torch.cat([text_out, image_out], dim=1)              # [B, L + n_me, H hd]
         return attn.to_out[1](attn.to_out[0](image_out)), attn.to_add_out(text_out)
