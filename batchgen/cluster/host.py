@@ -16,7 +16,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BatchgenError
@@ -27,6 +26,7 @@ from .dask_task import current_task_group
 from .delegate import Delegate
 from .eligibility import EngineWorkers
 from .engines import EngineSet
+from .host_report import HostCounters, load_report
 from .job import PartitionJob
 from .messages import Transport
 from .runner import EngineRunner, Request, RowRef, RunnerLoad
@@ -42,22 +42,6 @@ _CANCELLED_KEPT = 1024
 
 
 MAX_GROUPS = 16  # task groups whose row counts a host reports (the dashboard shows the newest jobs)
-
-
-@dataclass(slots=True)
-class HostCounters:
-    rows_done: int = 0  # rows of this host's jobs that got their output
-    generated_tokens: int = 0  # tokens of those rows
-    migrated_out: int = 0  # coroutines sent to another worker
-    migrated_in: int = 0  # coroutines adopted from another worker
-    recovered: int = 0  # moved rows resumed here because their holder left
-    returned: int = 0  # rows finished here for another worker's task
-    progress_sent: int = 0  # snapshots of held rows sent to their owners
-    refreshed: int = 0  # kept states of moved rows replaced by their holder's newer snapshot
-    forwarded: int = 0  # coroutines held for others passed on to a third worker (via their owner)
-    cancelled: int = 0  # coroutines held for others dropped because their owner's task ended
-    delegated: int = 0  # rows of this host's tasks handed to a worker that may hold engines
-    submitted_in: int = 0  # not-started rows taken from such a worker's tasks
 
 
 class Host:
@@ -452,16 +436,7 @@ class Host:
     # -- reporting and shutdown -------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         """This host's load for the scheduler plugin: per engine, plus counters."""
-        engines = {}
-        for key, load in self.loads().items():
-            engines[key] = {
-                "ready": load.ready, "waiting": load.waiting, "running": load.running,
-                "kv_used": load.kv_used, "remaining_tokens": load.remaining_tokens,
-                "tokens_per_s": load.tokens_per_s, "generated_tokens": load.generated_tokens, "speed": load.speed,
-                "expert_hit_rate": load.expert_hit_rate, "kv_capacity_tokens": load.kv_capacity_tokens,
-                "max_num_seqs": load.max_num_seqs, "adopted": load.adopted, "device": load.device,
-                "movable": [[c.seq_id, c.remaining, c.num_computed] for c in load.movable],
-            }
+        engines = {key: load_report(load) for key, load in self.loads().items()}
         with self._lock:
             counters = dataclasses.asdict(self.counters)
             jobs = len(self._jobs)
