@@ -116,17 +116,24 @@ def test_no_page_without_a_dashboard_or_without_bokeh(monkeypatch: pytest.Monkey
 
 @pytest.mark.timeout(120)
 def test_the_plugin_runs_without_the_page_when_bokeh_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dask
     from distributed import Client, LocalCluster
 
     import batchgen.cluster as bc
     from batchgen.cluster.plugin import PLUGIN_NAME
 
     monkeypatch.setitem(sys.modules, "bokeh.server.server", None)
-    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+    # A scheduler that finds no bokeh appends its "missing bokeh" route to the list in Dask's
+    # config itself (distributed's Scheduler.__init__), so every later scheduler in this process
+    # would serve that page instead of the dashboard: give it a copy of the list to spoil.
+    routes = list(dask.config.get("distributed.scheduler.http.routes"))
+    with dask.config.set({"distributed.scheduler.http.routes": routes}), \
+            LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
         bc.connect(client=client, push_interval=0.1)
         assert client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[PLUGIN_NAME].page) is None
         assert "workers" in bc.metrics(client)
         bc.disconnect(client)
+    assert "distributed.http.scheduler.missing_bokeh" not in dask.config.get("distributed.scheduler.http.routes")
 
 
 def test_the_grafana_dashboard_reads_only_series_the_scheduler_exports() -> None:

@@ -1,11 +1,15 @@
 """local_cluster keeps Dask's default dashboard address (":8787"); when that port is taken Dask
-serves it on a free one, and the printed link names the port it really has."""
+serves it on a free one, and the printed link names the port it really has.
+
+The clusters here ask for a port this test picked, not 8787 itself: other test processes
+(pytest-xdist) start clusters that take 8787 and give it back at any moment."""
 from __future__ import annotations
 
 import socket
 
 import pytest
 
+from batchgen.cluster import client as client_module
 from batchgen.cluster.client import DASHBOARD_ADDRESS, local_cluster
 
 
@@ -14,21 +18,30 @@ def _link_port(out: str) -> int:
     return int(line.rsplit(":", 1)[1].split("/")[0])
 
 
-@pytest.mark.timeout(120)
-def test_dashboard_on_dasks_default_port_or_the_next_free_one(capsys: pytest.CaptureFixture[str]) -> None:
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("0.0.0.0", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_the_default_address_is_dasks() -> None:
     assert DASHBOARD_ADDRESS == ":8787"
+
+
+@pytest.mark.timeout(120)
+def test_dashboard_on_the_next_free_port_when_its_own_is_taken(capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = socket.socket()
-    try:
-        blocker.bind(("0.0.0.0", 8787))
-        blocker.listen()
-    except OSError:  # someone else already serves 8787: the same situation
-        pass
+    blocker.bind(("0.0.0.0", 0))
+    blocker.listen()
+    taken = int(blocker.getsockname()[1])
+    monkeypatch.setattr(client_module, "DASHBOARD_ADDRESS", f":{taken}")
     try:
         cluster = local_cluster(1, processes=False)
         try:
-            assert cluster.scheduler_spec["options"]["dashboard_address"] == ":8787"
+            assert cluster.scheduler_spec["options"]["dashboard_address"] == f":{taken}"
             port = cluster.scheduler.http_server.port
-            assert port != 8787
+            assert port != taken
             assert _link_port(capsys.readouterr().err) == port
         finally:
             cluster.close()
@@ -37,17 +50,13 @@ def test_dashboard_on_dasks_default_port_or_the_next_free_one(capsys: pytest.Cap
 
 
 @pytest.mark.timeout(120)
-def test_dashboard_gets_8787_when_free(capsys: pytest.CaptureFixture[str]) -> None:
-    probe = socket.socket()
-    try:
-        probe.bind(("0.0.0.0", 8787))
-    except OSError:
-        pytest.skip("port 8787 is in use on this machine")
-    finally:
-        probe.close()
+def test_dashboard_gets_its_port_when_free(capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    port = _free_port()
+    monkeypatch.setattr(client_module, "DASHBOARD_ADDRESS", f":{port}")
     cluster = local_cluster(1, processes=False)
     try:
-        assert cluster.scheduler.http_server.port == 8787
-        assert _link_port(capsys.readouterr().err) == 8787
+        assert cluster.scheduler.http_server.port == port
+        assert _link_port(capsys.readouterr().err) == port
     finally:
         cluster.close()
