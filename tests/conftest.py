@@ -24,8 +24,9 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The CI box has 2 cores; more threads than cores only adds contention.
-torch.set_num_threads(min(torch.get_num_threads(), 2))
+# The CI box has 2 cores; more threads than cores only adds contention (under pytest-xdist two
+# test processes share them: one thread each).
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(torch.get_num_threads(), 2))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

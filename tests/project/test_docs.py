@@ -104,7 +104,7 @@ def test_readme_is_a_front_door() -> None:
 
 def test_readme_keeps_the_test_command() -> None:
     # .ci/run and CI run exactly this line
-    command = "pip install torch==2.13.0 -e '.[test]' triton==3.9.0 && python -m pytest -q tests"
+    command = "pip install torch==2.13.0 -e '.[test]' triton==3.9.0 && python -m pytest -q -n 2 tests"
     assert command in README.read_text(encoding="utf-8")
 
 
