@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import pickle
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -22,11 +21,13 @@ from ..errors import BatchgenError
 from ..outputs import RequestOutput
 from ..policy.balance import Migration
 from . import messages
+from .cancelled_jobs import CancelledJobs
 from .dask_task import current_task_group
 from .delegate import Delegate
 from .eligibility import EngineWorkers
 from .engines import EngineSet
-from .host_report import HostCounters, load_report
+from .host_progress import PROGRESS_EVERY_S, ProgressSender
+from .host_report import GroupRows, HostCounters, load_report
 from .job import PartitionJob
 from .messages import Transport
 from .runner import EngineRunner, Request, RowRef, RunnerLoad
@@ -35,13 +36,7 @@ from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
-# How often a holder sends owners the progress of their rows (at most; on the load push).
-PROGRESS_EVERY_S = 1.0
-# Cancelled (owner, job) pairs a holder remembers, to refuse their coroutines still in transit.
-_CANCELLED_KEPT = 1024
 
-
-MAX_GROUPS = 16  # task groups whose row counts a host reports (the dashboard shows the newest jobs)
 
 
 class Host:
@@ -57,13 +52,12 @@ class Host:
         # job id -> rows handed to the engine thread and not yet in its engine: the load report
         # does not show them, so the balancer must not read this worker as idle meanwhile
         self._submitting: dict[str, int] = {}
-        self._last_progress = 0.0
-        self._cancelled: dict[tuple[str, str], None] = {}  # (owner, job_id), oldest first
+        self._progress = ProgressSender(transport, self.engines, self.counters, self._lock) \
+            if transport is not None else None
+        self._cancelled = CancelledJobs()  # (owner, job_id) of jobs whose coroutines are refused here
         self._live: set[str] | None = None  # live workers as last told (drop_orphans); None: not known
         self.delegate: Delegate | None = None  # set: this host may hold no engine (eligibility.py)
-        # Dask task group (a job's partitions) -> [rows, rows done, rows failed] of its tasks
-        # here, newest groups last; the dashboard sums them over workers (dashboard_data.py)
-        self.group_rows: dict[str, list[int]] = {}
+        self.group_rows = GroupRows()  # row counts per Dask task group, for the dashboard
 
     @property
     def address(self) -> str | None:
@@ -113,11 +107,7 @@ class Host:
             if self._closed:
                 raise BatchgenError("this batchgen host is closed (worker plugin removed or worker closing)")
             if job.group is not None:
-                counts = self.group_rows.pop(job.group, [0, 0, 0])
-                counts[0] += len(requests)
-                self.group_rows[job.group] = counts  # (re-inserted: the newest group last)
-                for old in list(self.group_rows)[:-MAX_GROUPS]:
-                    del self.group_rows[old]
+                self.group_rows.opened(job.group, len(requests))
             self._jobs[job.job_id] = job
             self.peak_jobs = max(self.peak_jobs, len(self._jobs))
             if self.delegate is None:
@@ -186,10 +176,8 @@ class Host:
             with self._lock:
                 self.counters.rows_done += 1
                 self.counters.generated_tokens += out.num_generated_tokens
-                counts = self.group_rows.get(job.group) if job.group is not None else None
-                if counts is not None:
-                    counts[1] += 1
-                    counts[2] += getattr(out, "error", None) is not None  # text and image outputs alike
+                if job.group is not None:  # (error: text and image outputs alike)
+                    self.group_rows.finished(job.group, getattr(out, "error", None) is not None)
 
     def _on_fail(self, spec: EngineSpec, exc: BaseException, refs: list[RowRef]) -> None:
         """The engine could not load or crashed: its jobs fail (Dask retries them); rows held for
@@ -278,9 +266,7 @@ class Host:
     def receive_cancel(self, owner: str, job_id: str, rows: list[int]) -> None:
         """The task owning `job_id` on `owner` ended: drop its coroutines held here."""
         with self._lock:
-            self._cancelled[(owner, job_id)] = None
-            while len(self._cancelled) > _CANCELLED_KEPT:
-                del self._cancelled[next(iter(self._cancelled))]
+            self._cancelled.add(owner, job_id)
         for runner in self.engines.live():
             fut = runner.cancel(lambda ref: ref.owner == owner and ref.job_id == job_id)
             fut.add_done_callback(lambda f: self._count_cancelled(f.result()) if not f.exception() else None)
@@ -393,25 +379,12 @@ class Host:
 
     def push_progress(self, every: float = PROGRESS_EVERY_S) -> None:
         """Send each owner KV-less snapshots of its rows held here that made progress (at most
-        every `every` seconds; cheap to call on every load push)."""
-        if self.transport is None:
-            return
-        now = time.monotonic()
+        every `every` seconds; cheap to call on every load push): host_progress.py."""
         with self._lock:
-            if self._closed or now - self._last_progress < every:
+            if self._closed:
                 return
-            self._last_progress = now
-        for runner in self.engines.live():
-            runner.progress().add_done_callback(lambda f: None if f.exception() else self._send_progress(f.result()))
-
-    def _send_progress(self, items: list[tuple[RowRef, int, bytes]]) -> None:
-        if not items or self.transport is None:
-            return
-        by_owner = messages.by_owner([(ref, [num_output, state]) for ref, num_output, state in items])
-        with self._lock:
-            self.counters.progress_sent += len(items)
-        for owner, jobs in by_owner.items():
-            self.transport.send(owner, "batchgen_progress", {"holder": self.transport.address, "jobs": jobs})
+        if self._progress is not None:
+            self._progress.push(every)
 
     def receive_progress(self, holder: str, jobs: dict[str, list[list[Any]]]) -> None:
         n = 0
@@ -441,7 +414,7 @@ class Host:
             counters = dataclasses.asdict(self.counters)
             jobs = len(self._jobs)
             submitting = sum(self._submitting.values())
-            job_rows = {group: list(counts) for group, counts in self.group_rows.items()}
+            job_rows = self.group_rows.as_dict()
         return {"engines": engines, "counters": counters, "jobs": jobs, "submitting_rows": submitting,
                 "job_rows": job_rows,
                 "peak_jobs": self.peak_jobs,

@@ -24,6 +24,34 @@ class HostCounters:
     submitted_in: int = 0  # not-started rows taken from such a worker's tasks
 
 
+MAX_GROUPS = 16  # task groups whose row counts a host reports (the dashboard shows the newest jobs)
+
+
+class GroupRows:
+    """Per Dask task group (a job's partitions): [rows, rows done, rows failed] of its tasks
+    here, the newest MAX_GROUPS groups; the dashboard sums them over workers (dashboard_data.py).
+    Not thread-safe: the host's lock."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, list[int]] = {}  # newest group last
+
+    def opened(self, group: str, rows: int) -> None:
+        counts = self._counts.pop(group, [0, 0, 0])
+        counts[0] += rows
+        self._counts[group] = counts  # (re-inserted: the newest group last)
+        for old in list(self._counts)[:-MAX_GROUPS]:
+            del self._counts[old]
+
+    def finished(self, group: str, failed: bool) -> None:
+        counts = self._counts.get(group)
+        if counts is not None:  # (a group already forgotten is not counted)
+            counts[1] += 1
+            counts[2] += failed
+
+    def as_dict(self) -> dict[str, list[int]]:
+        return {group: list(counts) for group, counts in self._counts.items()}
+
+
 def load_report(load: RunnerLoad) -> dict[str, Any]:
     """One engine's load as the report carries it."""
     return {
