@@ -24,8 +24,15 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@pytest.mark.timeout(120)
 def test_the_default_address_is_dasks() -> None:
+    """Unpatched, local_cluster asks Dask for ":8787" (whoever holds that port right now)."""
     assert DASHBOARD_ADDRESS == ":8787"
+    cluster = local_cluster(1, processes=False)
+    try:
+        assert cluster.scheduler_spec["options"]["dashboard_address"] == ":8787"
+    finally:
+        cluster.close()
 
 
 @pytest.mark.timeout(120)
