@@ -1,6 +1,7 @@
 """batchgen_kernels: fused Mixture-of-Experts and paged decode attention kernels (Triton on
 CUDA; compiled C++ on CPU, cpu_paged_attention.py) and their plain-torch references, and the
-grouped-GEMM CPU MoE path (grouped_moe.py).
+grouped-GEMM CPU MoE path (grouped_moe.py), whose experts with few rows take a compiled kernel
+(cpu_moe_small.py).
 
 Importing this package never imports triton; `fused_moe` and the paged-attention launchers do on first call and raises
 `TritonUnavailableError` (an ImportError) when it is missing.
@@ -8,6 +9,7 @@ Importing this package never imports triton; `fused_moe` and the paged-attention
 from __future__ import annotations
 
 from .config import get_config
+from .cpu_moe_small import cpu_moe_small_available
 from .cpu_paged_attention import cpu_paged_attention_available, paged_attention_gqa_cpu, paged_attention_mla_cpu
 from .cpu_rope import cpu_rope_kv_available, rope_kv_write_cpu, rope_kv_write_reference
 from .errors import CpuKernelUnavailableError, KernelError, KernelInputError, TritonUnavailableError
@@ -27,6 +29,7 @@ __all__ = [
     "fused_moe_grouped_into",
     "fused_moe_reference",
     "fused_moe_reference_into",
+    "cpu_moe_small_available",
     "cpu_paged_attention_available",
     "cpu_rope_kv_available",
     "get_config",

@@ -7,15 +7,22 @@ counts), so a layer costs ~10 tensor ops instead of ~7 per active expert from Py
 expert's group sees exactly the rows the reference's per-expert GEMM sees, so results match it
 (bit for bit on CPU, where the grouped GEMM runs one GEMM per group).
 
+In fp32, an expert with at most SMALL_ROWS rows (the decode tail) goes through a compiled kernel
+instead (cpu_moe_small.py), which reads the weights at the memory's rate where sgemm does not;
+it agrees with the reference within fp32 rounding, not bit for bit.
+
 Where `torch._grouped_mm` is missing or refuses the operands (dtype, or a row stride that is not
 a multiple of 16 bytes), the per-expert loop of the reference runs instead.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from ._checks import check_moe_inputs
+from .cpu_moe_small import SMALL_ROWS, cpu_moe_small_available, moe_small_rows_cpu
 from .reference import check_slot_out, fused_moe_reference_into, sort_slots_by_expert, sum_over_choices
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -67,10 +74,41 @@ def fused_moe_grouped_into(
     if routed == 0:
         return
     order = order[:routed]  # [R]
-    offs = counts[:E].cumsum(0).to(torch.int32)  # [E] end row of each expert's group
     rows = x.index_select(0, order // A)  # [R, K]
-    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [R, 2N]
-    h = F.silu(gate_up[:, :N]).mul_(gate_up[:, N:])  # [R, N]
-    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # [R, K]
+    y = _experts_small_and_large(rows, w13, w2, counts[:E], N)
     y.mul_(topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1))
     slot_out.index_copy_(0, order, y)
+
+
+def _grouped_gemms(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
+                   N: int) -> torch.Tensor:
+    """rows [R, K] grouped by expert (counts [E]) -> [R, K]: two torch._grouped_mm calls."""
+    offs = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's group
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [R, 2N]
+    h = F.silu(gate_up[:, :N]).mul_(gate_up[:, N:])  # [R, N]
+    return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # [R, K]
+
+
+def _experts_small_and_large(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
+                             N: int) -> torch.Tensor:
+    """The experts with at most SMALL_ROWS rows through the streaming kernel (fp32, where it
+    builds), the others through grouped GEMMs. The choice is per expert, by its own row count,
+    so computing experts in parts (fused_moe_grouped_into) gives the one-call result."""
+    if rows.dtype != torch.float32 or not small_rows_kernel_enabled():
+        return _grouped_gemms(rows, w13, w2, counts, N)
+    small = counts <= SMALL_ROWS
+    if not bool(small.any()):
+        return _grouped_gemms(rows, w13, w2, counts, N)
+    y = torch.empty_like(rows)
+    moe_small_rows_cpu(rows, w13, w2, counts, small, y)
+    if not bool(small.all()):
+        large = (~small).repeat_interleave(counts)  # [R] rows of the large experts
+        y[large] = _grouped_gemms(rows[large], w13, w2, counts.masked_fill(small, 0), N)
+    return y
+
+
+def small_rows_kernel_enabled() -> bool:
+    """Whether fp32 experts with few rows take the compiled kernel (cpu_moe_small.py): it
+    builds here and BATCHGEN_SMALL_EXPERT_KERNEL is not 0 (the grouped-GEMM path, bit for bit
+    the reference's, runs instead)."""
+    return os.environ.get("BATCHGEN_SMALL_EXPERT_KERNEL", "1") != "0" and cpu_moe_small_available()

@@ -1,0 +1,98 @@
+"""The compiled small-row expert kernel (csrc/moe_small_cpu.cpp) against the per-expert torch
+reference, and the grouped path that sends it the experts with few rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_kernels import make_inputs
+
+from batchgen_kernels import KernelInputError, fused_moe_grouped, fused_moe_reference
+from batchgen_kernels.cpu_moe_small import SMALL_ROWS, cpu_moe_small_available, moe_small_rows_cpu
+from batchgen_kernels.grouped_moe import small_rows_kernel_enabled
+
+pytestmark = pytest.mark.skipif(not cpu_moe_small_available(), reason="the CPU expert kernel does not build here")
+TOL = 1e-5  # relative to the output's largest entry: fp32 sums in another order
+
+
+def expert_layer(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The reference: one expert at a time, as fused_moe_reference computes it."""
+    out, start, N = [], 0, w2.shape[2]
+    for e, m in enumerate(counts):
+        gate_up = rows[start:start + m] @ w13[e].T
+        out.append((F.silu(gate_up[:, :N]) * gate_up[:, N:]) @ w2[e].T)
+        start += m
+    return torch.cat(out)
+
+
+def weights(E: int, K: int, N: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * N, K, generator=g) / K ** 0.5, torch.randn(E, K, N, generator=g) / N ** 0.5
+
+
+@pytest.mark.parametrize(("K", "N", "counts"), [
+    (64, 32, [1, 0, 3, 16]),       # widths the vector loop covers exactly; an expert with no rows
+    (37, 21, [5, 2, 7]),           # tails past the last 8 lanes, an odd number of output columns
+    (128, 96, [64, 4, 9, 1, 13]),  # the most rows the kernel takes
+])
+def test_kernel_matches_the_per_expert_reference(K: int, N: int, counts: list[int]) -> None:
+    w13, w2 = weights(len(counts), K, N, seed=K)
+    rows = torch.randn(sum(counts), K, generator=torch.Generator().manual_seed(N))
+    out = torch.full_like(rows, float("nan"))
+    moe_small_rows_cpu(rows, w13, w2, torch.tensor(counts), torch.ones(len(counts), dtype=torch.bool), out)
+    want = expert_layer(rows, w13, w2, counts)
+    assert (out - want).abs().max() <= TOL * want.abs().max()
+
+
+def test_a_row_gets_the_same_result_whatever_it_is_batched_with() -> None:
+    w13, w2 = weights(3, 96, 64, seed=1)
+    rows = torch.randn(11, 96, generator=torch.Generator().manual_seed(2))
+    counts = torch.tensor([4, 6, 1])
+    together = torch.empty_like(rows)
+    moe_small_rows_cpu(rows, w13, w2, counts, torch.ones(3, dtype=torch.bool), together)
+    alone = torch.empty(1, 96)
+    for e, row in ((0, 2), (1, 7), (2, 10)):  # one row of each expert, alone
+        moe_small_rows_cpu(rows[row:row + 1].contiguous(), w13, w2, torch.eye(3, dtype=torch.int64)[e],
+                           torch.ones(3, dtype=torch.bool), alone)
+        assert torch.equal(alone[0], together[row])
+
+
+def test_experts_not_taken_are_left_as_they_are() -> None:
+    w13, w2 = weights(2, 32, 16, seed=3)
+    rows = torch.randn(5, 32)
+    out = torch.full_like(rows, 7.0)
+    moe_small_rows_cpu(rows, w13, w2, torch.tensor([2, 3]), torch.tensor([False, True]), out)
+    assert torch.equal(out[:2], torch.full((2, 32), 7.0))
+    assert (out[2:] - expert_layer(rows[2:], w13[1:], w2[1:], [3])).abs().max() <= TOL * out[2:].abs().max()
+
+
+def test_bad_inputs_are_refused_with_the_argument_named() -> None:
+    w13, w2 = weights(2, 32, 16, seed=4)
+    take = torch.ones(2, dtype=torch.bool)
+    with pytest.raises(KernelInputError, match="more than 64 rows"):
+        moe_small_rows_cpu(torch.randn(66, 32), w13, w2, torch.tensor([65, 1]), take, torch.empty(66, 32))
+    with pytest.raises(KernelInputError, match="rows must be a contiguous CPU float32"):
+        moe_small_rows_cpu(torch.randn(3, 32).double(), w13, w2, torch.tensor([1, 2]), take, torch.empty(3, 32))
+    with pytest.raises(KernelInputError, match="counts must sum to 3"):
+        moe_small_rows_cpu(torch.randn(3, 32), w13, w2, torch.tensor([1, 1]), take, torch.empty(3, 32))
+
+
+@pytest.mark.parametrize(("T", "E", "A"), [(1, 8, 2), (20, 8, 2), (257, 5, 2)])
+def test_grouped_path_with_small_and_large_experts_matches_the_reference(T: int, E: int, A: int) -> None:
+    """T=1: every expert small; T=20: mostly small; T=257: large experts through sgemm, bit for
+    bit, beside any small one."""
+    inputs = make_inputs(T, E, A, seed=T)
+    assert small_rows_kernel_enabled()
+    got, want = fused_moe_grouped(*inputs), fused_moe_reference(*inputs)
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+    counts = torch.bincount(inputs[4].reshape(-1), minlength=E)
+    if bool((counts > SMALL_ROWS).all()):
+        assert torch.equal(got, want)
+
+
+def test_turned_off_the_grouped_path_is_the_reference_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = make_inputs(3, 8, 2, seed=9)
+    assert not torch.equal(fused_moe_grouped(*inputs), fused_moe_reference(*inputs))  # the kernel ran
+    monkeypatch.setenv("BATCHGEN_SMALL_EXPERT_KERNEL", "0")
+    assert not small_rows_kernel_enabled()
+    assert torch.equal(fused_moe_grouped(*inputs), fused_moe_reference(*inputs))
