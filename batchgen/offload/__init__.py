@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["ExpertStore", "ExpertReadError", "HostExperts", "StoreOptions", "TierPlan", "expert_tier_plan",
            "build_store"]
 _LAZY = {"ExpertStore": ".store", "HostExperts": ".state", "StoreOptions": ".state", "ExpertReadError": ".disk",
-         "TierPlan": ".policy"}
+         "TierPlan": "..policy.expert_eviction"}
 
 
 def __getattr__(name: str) -> Any:
