@@ -15,10 +15,18 @@ import torch
 from ._cpu_build import cpu_kernels, cpu_kernels_error
 from .errors import CpuKernelUnavailableError, KernelInputError
 
-# Rows per expert up to which the kernel beats sgemm (torch._grouped_mm), measured on 2 AVX2
-# cores, hidden 1024, width 1024, 8 experts: 1.1-1.8x at 1-16 rows on one thread, level at 32.
-SMALL_ROWS = 16
+# Rows per expert up to which the kernel beats sgemm (torch._grouped_mm), on one thread and on
+# more. Measured on 2 AVX2 cores, hidden 1024, width 1024, 8 experts (bench_small_experts.py):
+# two threads 1.5-2.9x at 1-24 rows, 1.25x at 32, level at 48; one thread 1.0-1.7x at 1-16
+# rows, 0.87x at 24 (sgemm's second thread adds little here; the kernel's doubles its rate).
+SMALL_ROWS_ONE_THREAD = 16
+SMALL_ROWS_THREADS = 32
 _MAX_ROWS = 64  # the kernel's kMaxRows
+
+
+def small_rows_limit(threads: int) -> int:
+    """Most rows per expert the kernel should take with this many threads."""
+    return SMALL_ROWS_ONE_THREAD if threads <= 1 else SMALL_ROWS_THREADS
 
 
 def cpu_moe_small_available() -> bool:

@@ -7,7 +7,7 @@ counts), so a layer costs ~10 tensor ops instead of ~7 per active expert from Py
 expert's group sees exactly the rows the reference's per-expert GEMM sees, so results match it
 (bit for bit on CPU, where the grouped GEMM runs one GEMM per group).
 
-In fp32, an expert with at most SMALL_ROWS rows (the decode tail) goes through a compiled kernel
+In fp32, an expert with few rows (the decode tail; `small_rows_limit`) goes through a compiled kernel
 instead (cpu_moe_small.py), which reads the weights at the memory's rate where sgemm does not;
 it agrees with the reference within fp32 rounding, not bit for bit.
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_moe_inputs
-from .cpu_moe_small import SMALL_ROWS, cpu_moe_small_available, moe_small_rows_cpu
+from .cpu_moe_small import cpu_moe_small_available, moe_small_rows_cpu, small_rows_limit
 from .reference import check_slot_out, fused_moe_reference_into, sort_slots_by_expert, sum_over_choices
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -91,12 +91,12 @@ def _grouped_gemms(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
 
 def _experts_small_and_large(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
                              N: int) -> torch.Tensor:
-    """The experts with at most SMALL_ROWS rows through the streaming kernel (fp32, where it
+    """The experts with few rows (small_rows_limit) through the streaming kernel (fp32, where it
     builds), the others through grouped GEMMs. The choice is per expert, by its own row count,
     so computing experts in parts (fused_moe_grouped_into) gives the one-call result."""
     if rows.dtype != torch.float32 or not small_rows_kernel_enabled():
         return _grouped_gemms(rows, w13, w2, counts, N)
-    small = counts <= SMALL_ROWS
+    small = counts <= small_rows_limit(torch.get_num_threads())
     if not bool(small.any()):
         return _grouped_gemms(rows, w13, w2, counts, N)
     y = torch.empty_like(rows)
