@@ -37,7 +37,6 @@ class Delegate:
         self._sends: dict[str, int] = {}
         self._rows_sent: dict[str, int] = {}  # holder -> rows this host gave it (to spread them)
         self._lock = threading.Lock()
-        self.rows_delegated = 0
 
     def open(self, job: PartitionJob, requests: list[tuple[Any, Any]]) -> None:
         with self._lock:
@@ -76,7 +75,6 @@ class Delegate:
             return
         with self._lock:
             self._rows_sent[holder] = self._rows_sent.get(holder, 0) + sent
-            self.rows_delegated += sent
         owner, spec_msg = self.transport.address, job.spec.to_msg()
 
         def failed(exc: BaseException, items: list[tuple[int, bytes]]) -> None:

@@ -75,10 +75,6 @@ class Location:
     def child(self, name: str) -> Location:
         return Location(self.url.rstrip("/") + "/" + name, self.fs, self.path.rstrip("/") + "/" + name)
 
-    def sibling(self, suffix: str) -> Location:
-        """``<this location>`` + suffix, e.g. ``out.jsonl`` -> ``out.jsonl.parts``."""
-        return Location(self.url.rstrip("/") + suffix, self.fs, self.path.rstrip("/") + suffix)
-
     def exists(self) -> bool:
         return bool(self.fs.exists(self.path))
 

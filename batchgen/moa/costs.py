@@ -33,11 +33,6 @@ def estimate_cost(model_dir: str | Path, *, flops: float = ASSUMED_FLOPS,
                      load_s=ENGINE_START_S + size / read_bytes_per_s, memory_bytes=size)
 
 
-def cost_from_speed(model_dir: str | Path, tokens_per_s: float, load_s: float) -> ModelCost:
-    """A measured cost: an engine's sustained generated tokens/s and its load time."""
-    return ModelCost(1.0 / tokens_per_s, load_s, weight_bytes(model_dir))
-
-
 def profile_cost(model_dir: str | Path, *, rows: int | None = None, max_tokens: int = 16, prompt_tokens: int = 8,
                  repeat: int = 3, engine_options: dict | None = None) -> ModelCost:
     """Measure a model here, at the batch the job reaches (`rows` at once; run it on the

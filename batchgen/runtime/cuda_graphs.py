@@ -93,7 +93,3 @@ class DecodeGraphs:
             logits, routed = self._forward(b)
         self._graphs[b] = _Graph(graph, logits, routed)
         return self._graphs[b]
-
-    @property
-    def num_captured(self) -> int:
-        return len(self._graphs)

@@ -64,10 +64,6 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
-    def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 

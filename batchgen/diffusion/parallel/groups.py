@@ -6,7 +6,6 @@ take part (torch.distributed.new_group, by contrast, must be entered by every ra
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -130,7 +129,3 @@ def send_recv_bytes(moves: list[tuple[int, int, int]], payloads: dict[int, bytes
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return {k: bufs[(s, d, k)].numpy().tobytes() for s, d, k in mine if d == me}
-
-
-def world_info() -> dict[str, int]:
-    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "pid": os.getpid()}
