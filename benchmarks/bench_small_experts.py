@@ -1,5 +1,5 @@
-"""The small-row expert kernel (kernels/cpu_moe_small.py) against torch._grouped_mm (sgemm), per
-rows per expert: where the CPU MoE path should switch (cpu_moe_small.small_rows_limit).
+"""The small-row expert kernel (kernels/cpu_small_rows.py) against torch._grouped_mm (sgemm), per
+rows per expert: where the CPU MoE path should switch (cpu_small_rows.small_rows_limit).
 
 One expert layer (gate/up GEMM, silu * up, down GEMM) over E experts with the same number of rows
 each, fp32, timed alternately for about a second each; GB/s counts the experts' weights once.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from batchgen_kernels.cpu_moe_small import cpu_moe_small_available, moe_small_rows_cpu
+from batchgen_kernels.cpu_small_rows import cpu_small_rows_available, moe_small_rows_cpu
 
 
 def grouped_gemms(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,24,32,48", help="rows per expert, comma-separated")
     ap.add_argument("--seconds", type=float, default=1.0)
     args = ap.parse_args()
-    if not cpu_moe_small_available():
+    if not cpu_small_rows_available():
         raise SystemExit("the CPU expert kernel does not build here")
     torch.set_num_threads(args.threads)
     E, K, N = args.experts, args.hidden, args.width

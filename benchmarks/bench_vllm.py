@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"
 from bench_engine import run_batchgen, workload  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
+SMALL_ROWS_RANGE = "batchgen::moe_small_rows"  # the profiler range around the small-row expert kernel
 SHAPES = {
     "small": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
                   num_key_value_heads=4),
@@ -169,12 +170,13 @@ def run_vllm(python: Path, model_dir: Path, prompts: list[list[int]], lengths: l
 def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> list[tuple[str, float]]:
     """batchgen's run under torch.profiler, its CPU time grouped by stage (operator names), and
     the rest of the wall time (Python between operators)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     stages = {
         # torch's CPU _grouped_mm runs one aten::mm per expert: those mm calls are counted here
         # by the grouped op's total, and the plain-mm stage below is what remains
         "expert GEMMs (grouped)": ("_grouped_mm",),
+        "expert layer, few rows (compiled kernel)": (SMALL_ROWS_RANGE,),
         "attention kernel": ("paged_attention", "attention", "sdpa", "scaled_dot_product"),
         "linear / matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
         "routing and permute": ("topk", "softmax", "sort", "argsort", "index_select", "index_add", "scatter",
@@ -182,8 +184,17 @@ def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
         "norms and activations": ("rms", "silu", "mul", "add", "rsqrt", "pow", "mean", "neg", "cat"),
         "sampling": ("argmax", "max", "multinomial", "log_softmax"),
     }
+    # the small-row expert kernel is a ctypes call, invisible to the profiler: name its calls
+    import batchgen_kernels.grouped_moe as grouped
     from batchgen import Engine, SamplingParams
 
+    kernel = grouped.moe_small_rows_cpu
+
+    def named_kernel(*args: Any) -> None:
+        with record_function(SMALL_ROWS_RANGE):
+            kernel(*args)
+
+    grouped.moe_small_rows_cpu = named_kernel
     engine = Engine(model_dir, dtype="float32")  # (its KV pool is zero-filled here, outside the profile)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     engine.generate(prompts[:8], params[:8])
@@ -192,6 +203,7 @@ def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
         engine.generate(prompts, params)
         wall = time.perf_counter() - start
     engine.close()
+    grouped.moe_small_rows_cpu = kernel
     sums = dict.fromkeys([*stages, "other operators"], 0.0)
     events = prof.key_averages()
     grouped = sum(ev.cpu_time_total for ev in events if ev.key == "aten::_grouped_mm") / 1e6

@@ -1,7 +1,7 @@
 """batchgen_kernels: fused Mixture-of-Experts and paged decode attention kernels (Triton on
 CUDA; compiled C++ on CPU, cpu_paged_attention.py) and their plain-torch references, and the
-grouped-GEMM CPU MoE path (grouped_moe.py), whose experts with few rows take a compiled kernel
-(cpu_moe_small.py).
+grouped-GEMM CPU MoE path (grouped_moe.py), whose experts with few rows take a compiled kernel, as do
+dense projections with few rows (`linear_rows`, cpu_small_rows.py).
 
 Importing this package never imports triton; `fused_moe` and the paged-attention launchers do on first call and raises
 `TritonUnavailableError` (an ImportError) when it is missing.
@@ -9,9 +9,9 @@ Importing this package never imports triton; `fused_moe` and the paged-attention
 from __future__ import annotations
 
 from .config import get_config
-from .cpu_moe_small import cpu_moe_small_available
 from .cpu_paged_attention import cpu_paged_attention_available, paged_attention_gqa_cpu, paged_attention_mla_cpu
 from .cpu_rope import cpu_rope_kv_available, rope_kv_write_cpu, rope_kv_write_reference
+from .cpu_small_rows import cpu_small_rows_available, linear_rows
 from .errors import CpuKernelUnavailableError, KernelError, KernelInputError, TritonUnavailableError
 from .fused_moe import fused_moe, moe_align_triton, triton_available
 from .grouped_moe import fused_moe_grouped, fused_moe_grouped_into, grouped_mm_supported
@@ -29,11 +29,12 @@ __all__ = [
     "fused_moe_grouped_into",
     "fused_moe_reference",
     "fused_moe_reference_into",
-    "cpu_moe_small_available",
     "cpu_paged_attention_available",
     "cpu_rope_kv_available",
+    "cpu_small_rows_available",
     "get_config",
     "grouped_mm_supported",
+    "linear_rows",
     "moe_align",
     "moe_align_sizes",
     "moe_align_triton",

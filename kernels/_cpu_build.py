@@ -23,7 +23,7 @@ from pathlib import Path
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # library -> flags of its own: the rope kernel must round every fp32 product as torch does
-_LIBRARIES = {"paged_attention_cpu": [], "rope_kv_cpu": ["-ffp-contract=off"], "moe_small_cpu": []}
+_LIBRARIES = {"paged_attention_cpu": [], "rope_kv_cpu": ["-ffp-contract=off"], "small_rows_cpu": []}
 # AVX2 + FMA where the CPU has them: measured ~10% faster than -march=native's AVX-512 on the
 # decode shapes here (dk 32-128); then native, then portable; OpenMP threads, else SIMD only.
 _FLAG_SETS = (["-O3", "-march=x86-64-v3", "-fopenmp"], ["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"],
@@ -132,6 +132,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = lib.batchgen_moe_small_rows
         fn.restype = i32
         fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32]
+    if hasattr(lib, "batchgen_linear_small_rows"):
+        fn = lib.batchgen_linear_small_rows
+        fn.restype = i32
+        fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32]
 
 
 def cpu_kernels(name: str = "paged_attention_cpu") -> ctypes.CDLL | None:

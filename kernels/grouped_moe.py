@@ -8,7 +8,7 @@ expert's group sees exactly the rows the reference's per-expert GEMM sees, so re
 (bit for bit on CPU, where the grouped GEMM runs one GEMM per group).
 
 In fp32, an expert with few rows (the decode tail; `small_rows_limit`) goes through a compiled kernel
-instead (cpu_moe_small.py), which reads the weights at the memory's rate where sgemm does not;
+instead (cpu_small_rows.py), which reads the weights at the memory's rate where sgemm does not;
 it agrees with the reference within fp32 rounding, not bit for bit.
 
 Where `torch._grouped_mm` is missing or refuses the operands (dtype, or a row stride that is not
@@ -16,13 +16,11 @@ a multiple of 16 bytes), the per-expert loop of the reference runs instead.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from ._checks import check_moe_inputs
-from .cpu_moe_small import cpu_moe_small_available, moe_small_rows_cpu, small_rows_limit
+from .cpu_small_rows import moe_small_rows_cpu, small_rows_enabled, small_rows_limit
 from .reference import check_slot_out, fused_moe_reference_into, sort_slots_by_expert, sum_over_choices
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -94,7 +92,7 @@ def _experts_small_and_large(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     """The experts with few rows (small_rows_limit) through the streaming kernel (fp32, where it
     builds), the others through grouped GEMMs. The choice is per expert, by its own row count,
     so computing experts in parts (fused_moe_grouped_into) gives the one-call result."""
-    if rows.dtype != torch.float32 or not small_rows_kernel_enabled():
+    if rows.dtype != torch.float32 or not small_rows_enabled():
         return _grouped_gemms(rows, w13, w2, counts, N)
     small = counts <= small_rows_limit(torch.get_num_threads())
     if not bool(small.any()):
@@ -105,10 +103,3 @@ def _experts_small_and_large(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Te
         large = (~small).repeat_interleave(counts)  # [R] rows of the large experts
         y[large] = _grouped_gemms(rows[large], w13, w2, counts.masked_fill(small, 0), N)
     return y
-
-
-def small_rows_kernel_enabled() -> bool:
-    """Whether fp32 experts with few rows take the compiled kernel (cpu_moe_small.py): it
-    builds here and BATCHGEN_SMALL_EXPERT_KERNEL is not 0 (the grouped-GEMM path, bit for bit
-    the reference's, runs instead)."""
-    return os.environ.get("BATCHGEN_SMALL_EXPERT_KERNEL", "1") != "0" and cpu_moe_small_available()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from batchgen_kernels import rope_kv_write_cpu
+from batchgen_kernels import linear_rows, rope_kv_write_cpu
 
 from .cuda_decode import DecodeTables, gqa_decode, use_fused_rope, use_paged_kernel
 from .layers import rms_norm
@@ -229,7 +229,7 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
     """x: [T, H] (already normed) -> attention output [T, H]; writes this batch's K/V into cache [slots, W]."""
     T = x.shape[0]
     hq, hk, d = a.num_heads, a.num_kv_heads, a.head_dim
-    qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2 Hk) D]
+    qkv = linear_rows(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2 Hk) D]
     tables = batch.rope_tables(rotary)
     plain = a.qk_norm == "none" and a.clip_qkv is None
     fused = plain and use_fused_rope(qkv, cache)
@@ -263,4 +263,4 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
         return gqa_decode(q_rows, kv, t, hk, d ** -0.5, a.sliding_window)
 
     out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d, paged=paged, fresh=new_kv)
-    return F.linear(out.reshape(T, hq * d), w.o, w.o_bias)
+    return linear_rows(out.reshape(T, hq * d), w.o, w.o_bias)

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from batchgen_kernels import linear_rows
+
 from ..errors import ModelLoadError
 from ..offload import ExpertStore, HostExperts, StoreOptions, build_store, expert_tier_plan
 from . import hub
@@ -152,7 +154,7 @@ class Model:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> fp32 logits [N, V]."""
         x = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
-        return F.linear(x, self.weights.lm_head).float()
+        return linear_rows(x, self.weights.lm_head).float()
 
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * self.spec.kv_width * self.dtype.itemsize

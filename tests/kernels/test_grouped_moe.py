@@ -1,7 +1,7 @@
 """The grouped-GEMM CPU MoE path against the torch reference (its oracle), at awkward sizes.
 
 The bit-for-bit tests turn the small-row expert kernel off (it agrees within rounding:
-test_cpu_moe_small.py); the parts test runs with it, as the engine does."""
+test_cpu_small_rows.py); the parts test runs with it, as the engine does."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,7 @@ from batchgen_kernels import (
 
 @pytest.fixture
 def grouped_gemms_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BATCHGEN_SMALL_EXPERT_KERNEL", "0")
+    monkeypatch.setenv("BATCHGEN_SMALL_ROWS_KERNEL", "0")
 
 
 @pytest.mark.usefixtures("grouped_gemms_only")

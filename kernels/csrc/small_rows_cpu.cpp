@@ -1,15 +1,18 @@
-// Routed experts for few rows per expert, on CPU: the decode tail's expert layer.
+// Products with few rows on CPU: the decode tail's expert layers and dense projections.
 //
-// E experts, K hidden, N expert width, R routed rows sorted by expert (starts[e]..starts[e+1]).
-// x: [R, K]; w13: [E, 2N, K] (gate rows, then up rows); w2: [E, K, N]; h: [R, N] scratch;
-// y: [R, K]. h = silu(x w_gate^T) * (x w_up^T), y = h w2^T, for the experts flagged in `take`.
+// With 1-32 rows a GEMM is a matrix-vector product in disguise, bound by reading the weights
+// once. Measured on 2 AVX2 cores, sgemm streamed them at 3-10 GB/s on one thread and gained
+// nothing from the second, against 13.5 / 26.7 GB/s of plain reads on one / two threads. Here
+// every thread streams its own weight rows once (each dot product reads a weight row from
+// memory, then the other rows of x from cache).
 //
-// Why not a BLAS GEMM: with 1-16 rows an expert's GEMM is a matrix-vector product in disguise,
-// bound by reading the expert's weights once. Measured on 2 AVX2 cores, sgemm streamed them at
-// 3-10 GB/s on one thread and gained nothing from the second, against 13.5 / 26.7 GB/s of plain
-// reads on one / two threads. Here every thread streams its own weight rows once (each dot
-// product reads a weight row from memory, then the other rows of x from cache), and all
-// experts' rows are split over the threads at once instead of one expert after another.
+// batchgen_moe_small_rows: E experts, K hidden, N expert width, R routed rows sorted by expert
+// (starts[e]..starts[e+1]). x: [R, K]; w13: [E, 2N, K] (gate rows, then up rows); w2: [E, K, N];
+// h: [R, N] scratch; y: [R, K]. h = silu(x w_gate^T) * (x w_up^T), y = h w2^T, for the experts
+// flagged in `take`; all experts' rows are split over the threads at once.
+//
+// batchgen_linear_small_rows: x: [M, K] (row stride ldx), w: [Nout, K], bias: [Nout] or null;
+// y: [M, Nout] = x w^T + bias.
 //
 // Each output element is one dot product summed in a fixed order that does not depend on the
 // other rows: a row's result is the same whatever it is batched with.
@@ -76,6 +79,36 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 extern "C" {
 
 int32_t batchgen_abi_version() { return 1; }
+
+// Returns 0, or 1 when m is outside [1, kMaxRows] (nothing written).
+int32_t batchgen_linear_small_rows(int32_t num_threads, const float* x, int64_t ldx, const float* w, const float* bias,
+                                   float* y, int32_t m, int32_t k_len, int32_t n_out) {
+  if (m < 1 || m > kMaxRows) return 1;
+  const int64_t items = (n_out + kBlock - 1) / kBlock;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
+  {
+    float g[kMaxRows * 2];
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; ++item) {
+      const int c0 = static_cast<int>(item) * kBlock;
+      const int c_end = c0 + kBlock < n_out ? c0 + kBlock : n_out;
+      int c = c0;
+      for (; c + 2 <= c_end; c += 2) {
+        const float* wr[2] = {w + static_cast<int64_t>(c) * k_len, w + static_cast<int64_t>(c + 1) * k_len};
+        dots_rows<2>(x, ldx, m, wr, k_len, g);
+        const float b0 = bias ? bias[c] : 0.f, b1 = bias ? bias[c + 1] : 0.f;
+        for (int i = 0; i < m; ++i) y[i * n_out + c] = g[2 * i] + b0, y[i * n_out + c + 1] = g[2 * i + 1] + b1;
+      }
+      if (c < c_end) {
+        const float* wr[1] = {w + static_cast<int64_t>(c) * k_len};
+        dots_rows<1>(x, ldx, m, wr, k_len, g);
+        const float b0 = bias ? bias[c] : 0.f;
+        for (int i = 0; i < m; ++i) y[i * n_out + c] = g[i] + b0;
+      }
+    }
+  }
+  return 0;
+}
 
 // Returns 0, or 1 when an expert flagged in `take` has more than kMaxRows rows (nothing written).
 int32_t batchgen_moe_small_rows(int32_t num_threads, const float* x, const float* w13, const float* w2,

@@ -1,5 +1,6 @@
-"""The compiled small-row expert kernel (csrc/moe_small_cpu.cpp) against the per-expert torch
-reference, and the grouped path that sends it the experts with few rows."""
+"""The compiled small-row kernels (csrc/small_rows_cpu.cpp) against their torch references (the
+per-expert GEMMs, F.linear), the grouped path that sends the experts with few rows to one, and
+`linear_rows`, which sends dense products with few rows to the other."""
 from __future__ import annotations
 
 import pytest
@@ -8,10 +9,16 @@ import torch.nn.functional as F
 from test_kernels import make_inputs
 
 from batchgen_kernels import KernelInputError, fused_moe_grouped, fused_moe_reference
-from batchgen_kernels.cpu_moe_small import cpu_moe_small_available, moe_small_rows_cpu, small_rows_limit
-from batchgen_kernels.grouped_moe import small_rows_kernel_enabled
+from batchgen_kernels.cpu_small_rows import (
+    cpu_small_rows_available,
+    linear_rows,
+    linear_small_rows_cpu,
+    moe_small_rows_cpu,
+    small_rows_enabled,
+    small_rows_limit,
+)
 
-pytestmark = pytest.mark.skipif(not cpu_moe_small_available(), reason="the CPU expert kernel does not build here")
+pytestmark = pytest.mark.skipif(not cpu_small_rows_available(), reason="the CPU small-row kernels do not build here")
 TOL = 1e-5  # relative to the output's largest entry: fp32 sums in another order
 
 
@@ -82,7 +89,7 @@ def test_grouped_path_with_small_and_large_experts_matches_the_reference(T: int,
     """T=1: every expert small; T=20: mostly small; T=257: large experts through sgemm, bit for
     bit, beside any small one."""
     inputs = make_inputs(T, E, A, seed=T)
-    assert small_rows_kernel_enabled()
+    assert small_rows_enabled()
     got, want = fused_moe_grouped(*inputs), fused_moe_reference(*inputs)
     assert (got - want).abs().max() <= TOL * want.abs().max()
     counts = torch.bincount(inputs[4].reshape(-1), minlength=E)
@@ -93,6 +100,44 @@ def test_grouped_path_with_small_and_large_experts_matches_the_reference(T: int,
 def test_turned_off_the_grouped_path_is_the_reference_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = make_inputs(3, 8, 2, seed=9)
     assert not torch.equal(fused_moe_grouped(*inputs), fused_moe_reference(*inputs))  # the kernel ran
-    monkeypatch.setenv("BATCHGEN_SMALL_EXPERT_KERNEL", "0")
-    assert not small_rows_kernel_enabled()
+    monkeypatch.setenv("BATCHGEN_SMALL_ROWS_KERNEL", "0")
+    assert not small_rows_enabled()
     assert torch.equal(fused_moe_grouped(*inputs), fused_moe_reference(*inputs))
+
+
+@pytest.mark.parametrize(("M", "K", "N", "bias"), [(1, 64, 48, False), (3, 37, 21, True), (64, 128, 97, True)])
+def test_linear_kernel_matches_f_linear(M: int, K: int, N: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(M + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) / K ** 0.5
+    b = torch.randn(N, generator=g) if bias else None
+    got, want = linear_small_rows_cpu(x, w, b), F.linear(x, w, b)
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+    alone = linear_small_rows_cpu(x[-1:], w, b)  # the same row, batched with no other
+    assert torch.equal(alone[0], got[-1])
+
+
+def test_linear_kernel_reads_rows_with_a_stride() -> None:
+    x = torch.randn(4, 80)[:, 8:72]  # rows 80 floats apart
+    w = torch.randn(10, 64)
+    assert (linear_small_rows_cpu(x, w) - F.linear(x, w)).abs().max() <= TOL * F.linear(x, w).abs().max()
+
+
+def test_linear_rows_takes_the_kernel_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(0))
+    few, many = torch.randn(2, 256), torch.randn(small_rows_limit(torch.get_num_threads()) + 1, 256)
+    assert not torch.equal(linear_small_rows_cpu(few, w), F.linear(few, w))  # the two paths tell apart
+    assert torch.equal(linear_rows(few, w), linear_small_rows_cpu(few, w))
+    assert torch.equal(linear_rows(many, w), F.linear(many, w))
+    assert torch.equal(linear_rows(few.double(), w.double()), F.linear(few.double(), w.double()))
+    assert linear_rows(torch.empty(0, 256), w).shape == (0, 24)
+    monkeypatch.setenv("BATCHGEN_SMALL_ROWS_KERNEL", "0")
+    assert torch.equal(linear_rows(few, w), F.linear(few, w))
+
+
+def test_linear_kernel_refuses_bad_inputs() -> None:
+    with pytest.raises(KernelInputError, match="the kernel takes 1 to 64"):
+        linear_small_rows_cpu(torch.randn(65, 8), torch.randn(4, 8))
+    with pytest.raises(KernelInputError, match=r"w must be \[Nout, 8\]"):
+        linear_small_rows_cpu(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(KernelInputError, match="x must be a CPU float32"):
+        linear_small_rows_cpu(torch.randn(2, 8).double(), torch.randn(4, 8))

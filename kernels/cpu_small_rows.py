@@ -1,0 +1,110 @@
+"""Products with few rows on CPU (csrc/small_rows_cpu.cpp): the decode tail's expert layers
+and dense projections.
+
+# R routed rows sorted by expert, E experts, K hidden, N expert width; M rows, Nout outputs
+With 1-32 rows a GEMM is bound by reading its weights once, and sgemm reads them well below the
+memory's rate (on 2 AVX2 cores: 3-10 GB/s on one thread, nothing more from the second, against
+13.5 / 26.7 GB/s of plain reads). The kernels give every thread its own weight rows and read
+each once. Their references are `reference.fused_moe_reference`'s per-expert GEMMs and
+`F.linear`; they agree within fp32 rounding (the sums run in another order), and a row's
+result does not depend on the rows batched with it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ._cpu_build import cpu_kernels, cpu_kernels_error
+from .errors import CpuKernelUnavailableError, KernelInputError
+
+# Rows (per expert) up to which the kernels beat sgemm (torch._grouped_mm, F.linear), on one
+# thread and on more. Measured on 2 AVX2 cores, hidden 1024, width 1024, 8 experts (bench_small_experts.py):
+# two threads 1.5-2.9x at 1-24 rows, 1.25x at 32, level at 48; one thread 1.0-1.7x at 1-16
+# rows, 0.87x at 24 (sgemm's second thread adds little here; the kernel's doubles its rate).
+SMALL_ROWS_ONE_THREAD = 16
+SMALL_ROWS_THREADS = 32
+_MAX_ROWS = 64  # the kernel's kMaxRows
+
+
+def small_rows_limit(threads: int) -> int:
+    """Most rows (per expert) the kernels should take with this many threads."""
+    return SMALL_ROWS_ONE_THREAD if threads <= 1 else SMALL_ROWS_THREADS
+
+
+def cpu_small_rows_available() -> bool:
+    """Whether the compiled small-row kernels are usable here (built on first call)."""
+    return cpu_kernels("small_rows_cpu") is not None
+
+
+def small_rows_enabled() -> bool:
+    """Whether fp32 products with few rows take the compiled kernels: they build here and
+    BATCHGEN_SMALL_ROWS_KERNEL is not 0 (sgemm, bit for bit the references, runs instead)."""
+    return os.environ.get("BATCHGEN_SMALL_ROWS_KERNEL", "1") != "0" and cpu_small_rows_available()
+
+
+def _library() -> Any:
+    lib = cpu_kernels("small_rows_cpu")
+    if lib is None:
+        raise CpuKernelUnavailableError(f"the CPU small-row kernels are unavailable: "
+                                        f"{cpu_kernels_error('small_rows_cpu')}")
+    return lib
+
+
+def _check_fp32(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise KernelInputError(f"{name} must be a contiguous CPU float32 tensor, got {t.dtype} on {t.device}")
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias), through the compiled kernel where x has few rows (fp32 on CPU, 2-D,
+    small_rows_enabled()); F.linear otherwise."""
+    if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1
+            or not 0 < x.shape[0] <= small_rows_limit(torch.get_num_threads()) or not small_rows_enabled()
+            or not w.is_contiguous() or w.dtype != torch.float32 or (bias is not None and not bias.is_contiguous())):
+        return F.linear(x, w, bias)
+    return linear_small_rows_cpu(x, w, bias)
+
+
+def linear_small_rows_cpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K] fp32 (unit last stride), M <= 64; w: [Nout, K]; bias: [Nout] or None -> x w^T + bias."""
+    lib = _library()
+    _check_fp32(w=w, **({"bias": bias} if bias is not None else {}))
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise KernelInputError(f"x must be a CPU float32 [M, K] tensor with unit last stride, got {tuple(x.shape)} "
+                               f"{x.dtype} on {x.device}")
+    M, K = x.shape
+    if w.dim() != 2 or w.shape[1] != K or (bias is not None and bias.shape != (w.shape[0],)):
+        raise KernelInputError(f"w must be [Nout, {K}] and bias [Nout], got {tuple(w.shape)} and "
+                               f"{None if bias is None else tuple(bias.shape)}")
+    y = torch.empty(M, w.shape[0], dtype=torch.float32)
+    if lib.batchgen_linear_small_rows(torch.get_num_threads(), x.data_ptr(), x.stride(0), w.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), y.data_ptr(), M, K, w.shape[0]):
+        raise KernelInputError(f"x has {M} rows: the kernel takes 1 to {_MAX_ROWS}")
+    return y
+
+
+def moe_small_rows_cpu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
+                       take: torch.Tensor, out: torch.Tensor) -> None:
+    """rows: [R, K] fp32, grouped by expert (counts [E] rows each, in expert order); w13:
+    [E, 2N, K]; w2: [E, K, N]; take: [E] bool. Writes silu(x gate^T) * (x up^T) @ w2^T into
+    out [R, K] for the rows of the experts taken (at most 64 rows each); other rows are left."""
+    lib = _library()
+    E, K, N = w2.shape
+    _check_fp32(rows=rows, w13=w13, w2=w2, out=out)
+    R = rows.shape[0]
+    if rows.shape != (R, K) or out.shape != (R, K) or w13.shape != (E, 2 * N, K):
+        raise KernelInputError(f"rows and out must be [R, {K}] and w13 [{E}, {2 * N}, {K}], got "
+                               f"{tuple(rows.shape)}, {tuple(out.shape)}, {tuple(w13.shape)}")
+    if counts.shape != (E,) or take.shape != (E,) or int(counts.sum()) != R:
+        raise KernelInputError(f"counts and take must be [{E}] and counts must sum to {R} rows")
+    starts = torch.zeros(E + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=starts[1:])
+    take8 = take.to(torch.uint8).contiguous()
+    h = torch.empty(R, N, dtype=torch.float32)
+    if lib.batchgen_moe_small_rows(torch.get_num_threads(), rows.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+                                   starts.data_ptr(), take8.data_ptr(), h.data_ptr(), out.data_ptr(), E, K, N):
+        raise KernelInputError(f"an expert taken has more than {_MAX_ROWS} rows")
