@@ -21,11 +21,12 @@ from ._cpu_build import cpu_kernels, cpu_kernels_error
 from .errors import CpuKernelUnavailableError, KernelInputError
 
 # Rows (per expert) up to which the kernels beat sgemm (torch._grouped_mm, F.linear), on one
-# thread and on more. Measured on 2 AVX2 cores, hidden 1024, width 1024, 8 experts (bench_small_experts.py):
-# two threads 1.5-2.9x at 1-24 rows, 1.25x at 32, level at 48; one thread 1.0-1.7x at 1-16
-# rows, 0.87x at 24 (sgemm's second thread adds little here; the kernel's doubles its rate).
-SMALL_ROWS_ONE_THREAD = 16
-SMALL_ROWS_THREADS = 32
+# thread and on more. Measured on 2 AVX2 cores, hidden 1024, width 1024, 8 experts
+# (bench_small_experts.py): two threads 1.4-2.5x at 1-32 rows, 1.3x at 48, 1.1-1.4x at 64,
+# 0.9x at 96; one thread 1.2-1.7x at 4-32 rows, level at 48 (sgemm's second thread adds little
+# at these sizes, the kernel's doubles its rate).
+SMALL_ROWS_ONE_THREAD = 32
+SMALL_ROWS_THREADS = 48
 _MAX_ROWS = 64  # the kernel's kMaxRows
 
 

@@ -32,9 +32,9 @@ inline float hsum(v8 v) {
   return a + b;
 }
 
-// out[i * NW + j] = dot(x row i, w[j]) for M rows of x (stride ldx) and NW weight rows of K.
+// out[i * ldo + j] = dot(x row i, w[j]) for M rows of x (stride ldx) and NW weight rows of K.
 template <int M, int NW>
-inline void dots(const float* x, int64_t ldx, const float* const* w, int k_len, float* out) {
+inline void dots(const float* x, int64_t ldx, const float* const* w, int k_len, float* out, int64_t ldo) {
   v8 acc[M][NW];
   for (int i = 0; i < M; ++i)
     for (int j = 0; j < NW; ++j) acc[i][j] = v8{};
@@ -51,21 +51,41 @@ inline void dots(const float* x, int64_t ldx, const float* const* w, int k_len, 
     for (int j = 0; j < NW; ++j) {
       float s = hsum(acc[i][j]);
       for (int t = k; t < k_len; ++t) s += x[i * ldx + t] * w[j][t];
-      out[i * NW + j] = s;
+      out[i * ldo + j] = s;
     }
 }
 
 // All m rows (any m) against NW weight rows, four rows of x at a time: the weight rows are read
 // from memory by the first group and from cache by the others.
 template <int NW>
-inline void dots_rows(const float* x, int64_t ldx, int m, const float* const* w, int k_len, float* out) {
+inline void dots_rows(const float* x, int64_t ldx, int m, const float* const* w, int k_len, float* out,
+                      int64_t ldo) {
   int i = 0;
-  for (; i + 4 <= m; i += 4) dots<4, NW>(x + i * ldx, ldx, w, k_len, out + i * NW);
+  for (; i + 4 <= m; i += 4) dots<4, NW>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo);
   switch (m - i) {
-    case 3: dots<3, NW>(x + i * ldx, ldx, w, k_len, out + i * NW); break;
-    case 2: dots<2, NW>(x + i * ldx, ldx, w, k_len, out + i * NW); break;
-    case 1: dots<1, NW>(x + i * ldx, ldx, w, k_len, out + i * NW); break;
+    case 3: dots<3, NW>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo); break;
+    case 2: dots<2, NW>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo); break;
+    case 1: dots<1, NW>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo); break;
     default: break;
+  }
+}
+
+// out[i * ldo + c] = dot(x row i, w row c) for the n consecutive weight rows at w (K apart),
+// three at a time: 4 x 3 accumulators, the weight and x registers fill AVX2's sixteen.
+inline void block_dots(const float* x, int64_t ldx, int m, const float* w, int k_len, int n, float* out,
+                       int64_t ldo) {
+  int c = 0;
+  for (; c + 3 <= n; c += 3) {
+    const float* wr[3] = {w + static_cast<int64_t>(c) * k_len, w + static_cast<int64_t>(c + 1) * k_len,
+                          w + static_cast<int64_t>(c + 2) * k_len};
+    dots_rows<3>(x, ldx, m, wr, k_len, out + c, ldo);
+  }
+  if (n - c == 2) {
+    const float* wr[2] = {w + static_cast<int64_t>(c) * k_len, w + static_cast<int64_t>(c + 1) * k_len};
+    dots_rows<2>(x, ldx, m, wr, k_len, out + c, ldo);
+  } else if (n - c == 1) {
+    const float* wr[1] = {w + static_cast<int64_t>(c) * k_len};
+    dots_rows<1>(x, ldx, m, wr, k_len, out + c, ldo);
   }
 }
 
@@ -91,20 +111,11 @@ int32_t batchgen_linear_small_rows(int32_t num_threads, const float* x, int64_t 
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items; ++item) {
       const int c0 = static_cast<int>(item) * kBlock;
-      const int c_end = c0 + kBlock < n_out ? c0 + kBlock : n_out;
-      int c = c0;
-      for (; c + 2 <= c_end; c += 2) {
-        const float* wr[2] = {w + static_cast<int64_t>(c) * k_len, w + static_cast<int64_t>(c + 1) * k_len};
-        dots_rows<2>(x, ldx, m, wr, k_len, g);
-        const float b0 = bias ? bias[c] : 0.f, b1 = bias ? bias[c + 1] : 0.f;
-        for (int i = 0; i < m; ++i) y[i * n_out + c] = g[2 * i] + b0, y[i * n_out + c + 1] = g[2 * i + 1] + b1;
-      }
-      if (c < c_end) {
-        const float* wr[1] = {w + static_cast<int64_t>(c) * k_len};
-        dots_rows<1>(x, ldx, m, wr, k_len, g);
-        const float b0 = bias ? bias[c] : 0.f;
-        for (int i = 0; i < m; ++i) y[i * n_out + c] = g[i] + b0;
-      }
+      const int n = c0 + kBlock < n_out ? kBlock : n_out - c0;
+      block_dots(x, ldx, m, w + static_cast<int64_t>(c0) * k_len, k_len, n, y + c0, n_out);
+      if (bias)
+        for (int i = 0; i < m; ++i)
+          for (int c = c0; c < c0 + n; ++c) y[i * n_out + c] += bias[c];
     }
   }
   return 0;
@@ -127,20 +138,19 @@ int32_t batchgen_moe_small_rows(int32_t num_threads, const float* x, const float
     if (take[e] && starts[e + 1] > starts[e]) experts[a++] = e;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
-    float g[kMaxRows * 2];
+    float gate[kMaxRows * kBlock], up[kMaxRows * kBlock];
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items1; ++item) {  // h = silu(x gate^T) * (x up^T)
       const int e = experts[item / n_blocks];
       const int64_t r0 = starts[e];
       const int m = static_cast<int>(starts[e + 1] - r0);
-      const int j_end = static_cast<int>((item % n_blocks + 1) * kBlock < n_len ? (item % n_blocks + 1) * kBlock
-                                                                                   : n_len);
-      for (int j = static_cast<int>(item % n_blocks) * kBlock; j < j_end; ++j) {
-        const float* w[2] = {w13 + (static_cast<int64_t>(e) * 2 * n_len + j) * k_len,
-                             w13 + (static_cast<int64_t>(e) * 2 * n_len + n_len + j) * k_len};
-        dots_rows<2>(x + r0 * k_len, k_len, m, w, k_len, g);
-        for (int i = 0; i < m; ++i) h[(r0 + i) * n_len + j] = silu(g[2 * i]) * g[2 * i + 1];
-      }
+      const int j0 = static_cast<int>(item % n_blocks) * kBlock;
+      const int n = j0 + kBlock < n_len ? kBlock : n_len - j0;
+      const float* we = w13 + static_cast<int64_t>(e) * 2 * n_len * k_len;
+      block_dots(x + r0 * k_len, k_len, m, we + static_cast<int64_t>(j0) * k_len, k_len, n, gate, kBlock);
+      block_dots(x + r0 * k_len, k_len, m, we + static_cast<int64_t>(n_len + j0) * k_len, k_len, n, up, kBlock);
+      for (int i = 0; i < m; ++i)
+        for (int j = 0; j < n; ++j) h[(r0 + i) * n_len + j0 + j] = silu(gate[i * kBlock + j]) * up[i * kBlock + j];
     }
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items2; ++item) {  // y = h w2^T
@@ -148,19 +158,9 @@ int32_t batchgen_moe_small_rows(int32_t num_threads, const float* x, const float
       const int64_t r0 = starts[e];
       const int m = static_cast<int>(starts[e + 1] - r0);
       const int c0 = static_cast<int>(item % k_blocks) * kBlock;
-      const int c_end = c0 + kBlock < k_len ? c0 + kBlock : k_len;
-      int c = c0;
-      for (; c + 2 <= c_end; c += 2) {
-        const float* w[2] = {w2 + (static_cast<int64_t>(e) * k_len + c) * n_len,
-                             w2 + (static_cast<int64_t>(e) * k_len + c + 1) * n_len};
-        dots_rows<2>(h + r0 * n_len, n_len, m, w, n_len, g);
-        for (int i = 0; i < m; ++i) y[(r0 + i) * k_len + c] = g[2 * i], y[(r0 + i) * k_len + c + 1] = g[2 * i + 1];
-      }
-      if (c < c_end) {
-        const float* w[1] = {w2 + (static_cast<int64_t>(e) * k_len + c) * n_len};
-        dots_rows<1>(h + r0 * n_len, n_len, m, w, n_len, g);
-        for (int i = 0; i < m; ++i) y[(r0 + i) * k_len + c] = g[i];
-      }
+      const int n = c0 + kBlock < k_len ? kBlock : k_len - c0;
+      block_dots(h + r0 * n_len, n_len, m, w2 + (static_cast<int64_t>(e) * k_len + c0) * n_len, n_len, n,
+                 y + r0 * k_len + c0, k_len);
     }
   }
   delete[] experts;

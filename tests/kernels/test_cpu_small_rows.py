@@ -141,3 +141,19 @@ def test_linear_kernel_refuses_bad_inputs() -> None:
         linear_small_rows_cpu(torch.randn(2, 8), torch.randn(4, 9))
     with pytest.raises(KernelInputError, match="x must be a CPU float32"):
         linear_small_rows_cpu(torch.randn(2, 8).double(), torch.randn(4, 8))
+
+
+def test_one_call_mixes_the_paths_by_each_experts_rows() -> None:
+    """Expert 0 gets more rows than the kernel takes (sgemm: bit for bit the reference), the
+    others a few each (the kernel); computed in parts, the one-call result exactly."""
+    x, w13, w2, tw, _ = make_inputs(120, 4, 1, seed=11)
+    ids = torch.tensor([0] * 100 + [1, 2, 3] * 6 + [1, 2]).unsqueeze(1)
+    assert 100 > small_rows_limit(torch.get_num_threads()) >= 7
+    got, want = fused_moe_grouped(x, w13, w2, tw, ids), fused_moe_reference(x, w13, w2, tw, ids)
+    assert torch.equal(got[:100], want[:100])
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+    parts = torch.zeros(120, x.shape[1])
+    for part in ({0}, {1, 3}, {2}):
+        mask = torch.isin(ids, torch.tensor(sorted(part)))
+        parts += fused_moe_grouped(x, w13, w2, tw, torch.where(mask, ids, -1))
+    assert torch.equal(parts, got)
