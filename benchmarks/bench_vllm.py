@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"
 from bench_engine import run_batchgen, workload  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
-SMALL_ROWS_RANGE = "batchgen::moe_small_rows"  # the profiler range around the small-row expert kernel
+# profiler ranges around the small-row kernels (ctypes calls, which the profiler does not see)
+SMALL_ROWS_RANGES = {"moe_small_rows_cpu": "batchgen::moe_small_rows", "linear_small_rows_cpu": "batchgen::linear_small_rows"}
 SHAPES = {
     "small": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
                   num_key_value_heads=4),
@@ -167,16 +168,26 @@ def run_vllm(python: Path, model_dir: Path, prompts: list[list[int]], lengths: l
     return got["seconds"], got["tokens"]
 
 
+def _named(fn: Any, label: str) -> Any:
+    from torch.profiler import record_function
+
+    def named(*args: Any) -> Any:
+        with record_function(label):
+            return fn(*args)
+    return named
+
+
 def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> list[tuple[str, float]]:
     """batchgen's run under torch.profiler, its CPU time grouped by stage (operator names), and
     the rest of the wall time (Python between operators)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     stages = {
         # torch's CPU _grouped_mm runs one aten::mm per expert: those mm calls are counted here
         # by the grouped op's total, and the plain-mm stage below is what remains
         "expert GEMMs (grouped)": ("_grouped_mm",),
-        "expert layer, few rows (compiled kernel)": (SMALL_ROWS_RANGE,),
+        "expert layers, few rows (compiled kernel)": (SMALL_ROWS_RANGES["moe_small_rows_cpu"],),
+        "dense projections, few rows (compiled kernel)": (SMALL_ROWS_RANGES["linear_small_rows_cpu"],),
         "attention kernel": ("paged_attention", "attention", "sdpa", "scaled_dot_product"),
         "linear / matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
         "routing and permute": ("topk", "softmax", "sort", "argsort", "index_select", "index_add", "scatter",
@@ -184,17 +195,14 @@ def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
         "norms and activations": ("rms", "silu", "mul", "add", "rsqrt", "pow", "mean", "neg", "cat"),
         "sampling": ("argmax", "max", "multinomial", "log_softmax"),
     }
-    # the small-row expert kernel is a ctypes call, invisible to the profiler: name its calls
-    import batchgen_kernels.grouped_moe as grouped
+    import batchgen_kernels.cpu_small_rows as small_rows
+    import batchgen_kernels.grouped_moe as grouped_moe
     from batchgen import Engine, SamplingParams
 
-    kernel = grouped.moe_small_rows_cpu
-
-    def named_kernel(*args: Any) -> None:
-        with record_function(SMALL_ROWS_RANGE):
-            kernel(*args)
-
-    grouped.moe_small_rows_cpu = named_kernel
+    kernels = {(module, name): getattr(module, name) for module, name in
+               ((grouped_moe, "moe_small_rows_cpu"), (small_rows, "linear_small_rows_cpu"))}
+    for (module, name), fn in kernels.items():
+        setattr(module, name, _named(fn, SMALL_ROWS_RANGES[name]))
     engine = Engine(model_dir, dtype="float32")  # (its KV pool is zero-filled here, outside the profile)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     engine.generate(prompts[:8], params[:8])
@@ -203,7 +211,8 @@ def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
         engine.generate(prompts, params)
         wall = time.perf_counter() - start
     engine.close()
-    grouped.moe_small_rows_cpu = kernel
+    for (module, name), fn in kernels.items():
+        setattr(module, name, fn)
     sums = dict.fromkeys([*stages, "other operators"], 0.0)
     events = prof.key_averages()
     grouped = sum(ev.cpu_time_total for ev in events if ev.key == "aten::_grouped_mm") / 1e6
