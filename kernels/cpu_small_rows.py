@@ -62,12 +62,15 @@ def _check_fp32(**tensors: torch.Tensor) -> None:
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias), through the compiled kernel where x has few rows (fp32 on CPU, 2-D,
-    small_rows_enabled()); F.linear otherwise."""
-    if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1
-            or not 0 < x.shape[0] <= small_rows_limit(torch.get_num_threads()) or not small_rows_enabled()
-            or not w.is_contiguous() or w.dtype != torch.float32 or (bias is not None and not bias.is_contiguous())):
+    small_rows_enabled()); F.linear otherwise. Called for every projection of every forward, so
+    it checks only what decides the path and what keeps the kernel in bounds."""
+    f32 = torch.float32
+    if (x.dtype is not f32 or w.dtype is not f32 or x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]
+            or not 0 < x.shape[0] <= small_rows_limit(torch.get_num_threads()) or x.stride(1) != 1
+            or x.device.type != "cpu" or not w.is_contiguous() or not small_rows_enabled()
+            or (bias is not None and (bias.dtype is not f32 or bias.shape != (w.shape[0],) or not bias.is_contiguous()))):
         return F.linear(x, w, bias)
-    return linear_small_rows_cpu(x, w, bias)
+    return _linear(cpu_kernels("small_rows_cpu"), x, w, bias)
 
 
 def linear_small_rows_cpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,10 +84,18 @@ def linear_small_rows_cpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
     if w.dim() != 2 or w.shape[1] != K or (bias is not None and bias.shape != (w.shape[0],)):
         raise KernelInputError(f"w must be [Nout, {K}] and bias [Nout], got {tuple(w.shape)} and "
                                f"{None if bias is None else tuple(bias.shape)}")
-    y = torch.empty(M, w.shape[0], dtype=torch.float32)
-    if lib.batchgen_linear_small_rows(torch.get_num_threads(), x.data_ptr(), x.stride(0), w.data_ptr(),
-                                      None if bias is None else bias.data_ptr(), y.data_ptr(), M, K, w.shape[0]):
+    if not 0 < M <= _MAX_ROWS:
         raise KernelInputError(f"x has {M} rows: the kernel takes 1 to {_MAX_ROWS}")
+    return _linear(lib, x, w, bias)
+
+
+def _linear(lib: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel call on checked operands (x [M, K], 0 < M <= 64, unit last stride; w [Nout, K]
+    contiguous; bias [Nout] contiguous or None; all CPU fp32)."""
+    M, K = x.shape
+    y = torch.empty(M, w.shape[0], dtype=torch.float32)
+    lib.batchgen_linear_small_rows(torch.get_num_threads(), x.data_ptr(), x.stride(0), w.data_ptr(),
+                                   None if bias is None else bias.data_ptr(), y.data_ptr(), M, K, w.shape[0])
     return y
 
 
