@@ -105,18 +105,14 @@ int32_t batchgen_linear_small_rows(int32_t num_threads, const float* x, int64_t 
                                    float* y, int32_t m, int32_t k_len, int32_t n_out) {
   if (m < 1 || m > kMaxRows) return 1;
   const int64_t items = (n_out + kBlock - 1) / kBlock;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
-  {
-    float g[kMaxRows * 2];
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < items; ++item) {
-      const int c0 = static_cast<int>(item) * kBlock;
-      const int n = c0 + kBlock < n_out ? kBlock : n_out - c0;
-      block_dots(x, ldx, m, w + static_cast<int64_t>(c0) * k_len, k_len, n, y + c0, n_out);
-      if (bias)
-        for (int i = 0; i < m; ++i)
-          for (int c = c0; c < c0 + n; ++c) y[i * n_out + c] += bias[c];
-    }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && items > 1)
+  for (int64_t item = 0; item < items; ++item) {
+    const int c0 = static_cast<int>(item) * kBlock;
+    const int n = c0 + kBlock < n_out ? kBlock : n_out - c0;
+    block_dots(x, ldx, m, w + static_cast<int64_t>(c0) * k_len, k_len, n, y + c0, n_out);
+    if (bias)
+      for (int i = 0; i < m; ++i)
+        for (int c = c0; c < c0 + n; ++c) y[static_cast<int64_t>(i) * n_out + c] += bias[c];
   }
   return 0;
 }

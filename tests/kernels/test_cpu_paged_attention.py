@@ -101,7 +101,7 @@ def test_engine_falls_back_when_the_kernel_cannot_build(monkeypatch: pytest.Monk
     model_dir = checkpoint_factory("mixtral")
     prompts = [prompt_ids[0], prompt_ids[-1]]
     with_kernel = Engine(model_dir, dtype="float32", device="cpu", block_size=4).generate(prompts, params)
-    for name in ("paged_attention_cpu", "rope_kv_cpu"):
+    for name in ("paged_attention_cpu", "rope_kv_cpu", "small_rows_cpu"):
         (tmp_path / f"{name}.cpp").write_text("this is not C++\n")
     monkeypatch.setattr(_cpu_build, "_CSRC", tmp_path)
     monkeypatch.setattr(_cpu_build, "_state", {})
@@ -110,6 +110,7 @@ def test_engine_falls_back_when_the_kernel_cannot_build(monkeypatch: pytest.Monk
     assert "building the CPU kernels failed" in (_cpu_build.cpu_kernels_error() or "")
     assert not use_paged_kernel(torch.device("cpu"), torch.float32)
     assert not K.cpu_rope_kv_available()
+    assert not K.cpu_small_rows_available()
     with pytest.raises(K.CpuKernelUnavailableError, match="unavailable"):
         K.paged_attention_gqa_cpu(*paged_inputs(1, 2, 4, 1, 1, 1, torch.float32, 0), 1, 2, 1.0)
     without = Engine(model_dir, dtype="float32", device="cpu", block_size=4).generate(prompts, params)
