@@ -20,18 +20,24 @@ import torch.nn.functional as F
 from ._cpu_build import cpu_kernels, cpu_kernels_error
 from .errors import CpuKernelUnavailableError, KernelInputError
 
-# Rows (per expert) up to which the kernels beat sgemm (torch._grouped_mm, F.linear), on one
-# thread and on more. Measured on 2 AVX2 cores, hidden 1024, width 1024, 8 experts
-# (bench_small_experts.py): two threads 1.4-2.5x at 1-32 rows, 1.3x at 48, 1.1-1.4x at 64,
-# 0.9x at 96; one thread 1.2-1.7x at 4-32 rows, level at 48 (sgemm's second thread adds little
-# at these sizes, the kernel's doubles its rate).
+# Rows (per expert) up to which the kernels beat sgemm (torch._grouped_mm, F.linear). They win
+# by reading weights at the memory's rate, so the limit depends on whether the weights come from
+# memory at all. Measured with bench_small_experts.py on 2 AVX2 cores, 8 experts:
+# - 1024 x 1024 (12 MiB an expert): two threads 1.4-2.5x at 1-32 rows, 1.3x at 48, 0.9x at 96;
+#   one thread 1.2-1.7x at 4-32 rows, level at 48 (sgemm's second thread adds little here);
+# - 128 x 128 (192 KiB an expert, in cache): one thread 1.05-1.1x at 1-8 rows, 0.6-0.7x at 16-32.
 SMALL_ROWS_ONE_THREAD = 32
 SMALL_ROWS_THREADS = 48
+SMALL_ROWS_IN_CACHE = 8
+IN_CACHE_BYTES = 1 << 20  # weights of one product below this are taken as read from cache
 _MAX_ROWS = 64  # the kernel's kMaxRows
 
 
-def small_rows_limit(threads: int) -> int:
-    """Most rows (per expert) the kernels should take with this many threads."""
+def small_rows_limit(threads: int, weight_bytes: int) -> int:
+    """Most rows (per expert) the kernels should take with this many threads, for a product
+    whose weights (one expert's, or the dense matrix) take weight_bytes."""
+    if weight_bytes < IN_CACHE_BYTES:
+        return SMALL_ROWS_IN_CACHE
     return SMALL_ROWS_ONE_THREAD if threads <= 1 else SMALL_ROWS_THREADS
 
 
@@ -66,7 +72,8 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     it checks only what decides the path and what keeps the kernel in bounds."""
     f32 = torch.float32
     if (x.dtype is not f32 or w.dtype is not f32 or x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]
-            or not 0 < x.shape[0] <= small_rows_limit(torch.get_num_threads()) or x.stride(1) != 1
+            or not 0 < x.shape[0] <= small_rows_limit(torch.get_num_threads(), 4 * w.numel())
+            or x.stride(1) != 1
             or x.device.type != "cpu" or not w.is_contiguous() or not small_rows_enabled()
             or (bias is not None and (bias.dtype is not f32 or bias.shape != (w.shape[0],) or not bias.is_contiguous()))):
         return F.linear(x, w, bias)

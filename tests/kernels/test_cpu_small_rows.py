@@ -93,7 +93,7 @@ def test_grouped_path_with_small_and_large_experts_matches_the_reference(T: int,
     got, want = fused_moe_grouped(*inputs), fused_moe_reference(*inputs)
     assert (got - want).abs().max() <= TOL * want.abs().max()
     counts = torch.bincount(inputs[4].reshape(-1), minlength=E)
-    if bool((counts > small_rows_limit(torch.get_num_threads())).all()):
+    if bool((counts > small_rows_limit(torch.get_num_threads(), 4 * (inputs[1][0].numel() + inputs[2][0].numel()))).all()):
         assert torch.equal(got, want)
 
 
@@ -124,7 +124,7 @@ def test_linear_kernel_reads_rows_with_a_stride() -> None:
 
 def test_linear_rows_takes_the_kernel_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(24, 256, generator=torch.Generator().manual_seed(0))
-    few, many = torch.randn(2, 256), torch.randn(small_rows_limit(torch.get_num_threads()) + 1, 256)
+    few, many = torch.randn(2, 256), torch.randn(small_rows_limit(torch.get_num_threads(), 4 * w.numel()) + 1, 256)
     assert not torch.equal(linear_small_rows_cpu(few, w), F.linear(few, w))  # the two paths tell apart
     assert torch.equal(linear_rows(few, w), linear_small_rows_cpu(few, w))
     assert torch.equal(linear_rows(many, w), F.linear(many, w))
@@ -148,7 +148,7 @@ def test_one_call_mixes_the_paths_by_each_experts_rows() -> None:
     others a few each (the kernel); computed in parts, the one-call result exactly."""
     x, w13, w2, tw, _ = make_inputs(120, 4, 1, seed=11)
     ids = torch.tensor([0] * 100 + [1, 2, 3] * 6 + [1, 2]).unsqueeze(1)
-    assert 100 > small_rows_limit(torch.get_num_threads()) >= 7
+    assert 100 > small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel())) >= 7
     got, want = fused_moe_grouped(x, w13, w2, tw, ids), fused_moe_reference(x, w13, w2, tw, ids)
     assert torch.equal(got[:100], want[:100])
     assert (got - want).abs().max() <= TOL * want.abs().max()
