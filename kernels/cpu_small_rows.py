@@ -25,10 +25,10 @@ from .errors import CpuKernelUnavailableError, KernelInputError
 # memory at all. Measured with bench_small_experts.py on 2 AVX2 cores, 8 experts:
 # - 1024 x 1024 (12 MiB an expert): two threads 1.4-2.5x at 1-32 rows, 1.3x at 48, 0.9x at 96;
 #   one thread 1.2-1.7x at 4-32 rows, level at 48 (sgemm's second thread adds little here);
-# - 128 x 128 (192 KiB an expert, in cache): one thread 1.05-1.1x at 1-8 rows, 0.6-0.7x at 16-32.
+# - 128 x 128 (192 KiB an expert, in cache): one thread 1.05-1.1x at 1-8 rows, 0.6-0.7x at 16-32,
+#   so weights that fit in cache keep sgemm (and the results it gave before).
 SMALL_ROWS_ONE_THREAD = 32
 SMALL_ROWS_THREADS = 48
-SMALL_ROWS_IN_CACHE = 8
 IN_CACHE_BYTES = 1 << 20  # weights of one product below this are taken as read from cache
 _MAX_ROWS = 64  # the kernel's kMaxRows
 
@@ -37,7 +37,7 @@ def small_rows_limit(threads: int, weight_bytes: int) -> int:
     """Most rows (per expert) the kernels should take with this many threads, for a product
     whose weights (one expert's, or the dense matrix) take weight_bytes."""
     if weight_bytes < IN_CACHE_BYTES:
-        return SMALL_ROWS_IN_CACHE
+        return 0
     return SMALL_ROWS_ONE_THREAD if threads <= 1 else SMALL_ROWS_THREADS
 
 

@@ -94,7 +94,7 @@ def _experts_small_and_large(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     so computing experts in parts (fused_moe_grouped_into) gives the one-call result."""
     if rows.dtype != torch.float32 or not small_rows_enabled():
         return _grouped_gemms(rows, w13, w2, counts, N)
-    small = counts <= small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel()))
+    small = (counts > 0) & (counts <= small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel())))
     if not bool(small.any()):
         return _grouped_gemms(rows, w13, w2, counts, N)
     y = torch.empty_like(rows)

@@ -88,7 +88,7 @@ def test_bad_inputs_are_refused_with_the_argument_named() -> None:
 def test_grouped_path_with_small_and_large_experts_matches_the_reference(T: int, E: int, A: int) -> None:
     """T=1: every expert small; T=20: mostly small; T=257: large experts through sgemm, bit for
     bit, beside any small one."""
-    inputs = make_inputs(T, E, A, seed=T)
+    inputs = make_inputs(T, E, A, K=256, N=512, seed=T)  # 1.5 MiB an expert: read from memory
     assert small_rows_enabled()
     got, want = fused_moe_grouped(*inputs), fused_moe_reference(*inputs)
     assert (got - want).abs().max() <= TOL * want.abs().max()
@@ -98,7 +98,7 @@ def test_grouped_path_with_small_and_large_experts_matches_the_reference(T: int,
 
 
 def test_turned_off_the_grouped_path_is_the_reference_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    inputs = make_inputs(3, 8, 2, seed=9)
+    inputs = make_inputs(3, 8, 2, K=256, N=512, seed=9)
     assert not torch.equal(fused_moe_grouped(*inputs), fused_moe_reference(*inputs))  # the kernel ran
     monkeypatch.setenv("BATCHGEN_SMALL_ROWS_KERNEL", "0")
     assert not small_rows_enabled()
@@ -123,13 +123,15 @@ def test_linear_kernel_reads_rows_with_a_stride() -> None:
 
 
 def test_linear_rows_takes_the_kernel_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(1024, 256, generator=torch.Generator().manual_seed(0))  # 1 MiB: read from memory
     few, many = torch.randn(2, 256), torch.randn(small_rows_limit(torch.get_num_threads(), 4 * w.numel()) + 1, 256)
     assert not torch.equal(linear_small_rows_cpu(few, w), F.linear(few, w))  # the two paths tell apart
     assert torch.equal(linear_rows(few, w), linear_small_rows_cpu(few, w))
     assert torch.equal(linear_rows(many, w), F.linear(many, w))
     assert torch.equal(linear_rows(few.double(), w.double()), F.linear(few.double(), w.double()))
-    assert linear_rows(torch.empty(0, 256), w).shape == (0, 24)
+    assert linear_rows(torch.empty(0, 256), w).shape == (0, 1024)
+    small_w = w[:24].contiguous()  # 24 KiB, in cache: sgemm, bit for bit F.linear
+    assert torch.equal(linear_rows(few, small_w), F.linear(few, small_w))
     monkeypatch.setenv("BATCHGEN_SMALL_ROWS_KERNEL", "0")
     assert torch.equal(linear_rows(few, w), F.linear(few, w))
 
@@ -146,7 +148,7 @@ def test_linear_kernel_refuses_bad_inputs() -> None:
 def test_one_call_mixes_the_paths_by_each_experts_rows() -> None:
     """Expert 0 gets more rows than the kernel takes (sgemm: bit for bit the reference), the
     others a few each (the kernel); computed in parts, the one-call result exactly."""
-    x, w13, w2, tw, _ = make_inputs(120, 4, 1, seed=11)
+    x, w13, w2, tw, _ = make_inputs(120, 4, 1, K=256, N=512, seed=11)
     ids = torch.tensor([0] * 100 + [1, 2, 3] * 6 + [1, 2]).unsqueeze(1)
     assert 100 > small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel())) >= 7
     got, want = fused_moe_grouped(x, w13, w2, tw, ids), fused_moe_reference(x, w13, w2, tw, ids)
@@ -157,3 +159,38 @@ def test_one_call_mixes_the_paths_by_each_experts_rows() -> None:
         mask = torch.isin(ids, torch.tensor(sorted(part)))
         parts += fused_moe_grouped(x, w13, w2, tw, torch.where(mask, ids, -1))
     assert torch.equal(parts, got)
+
+
+def test_experts_whose_weights_fit_in_cache_keep_sgemm() -> None:
+    """72 x 40 experts (35 KiB): sgemm wins there at every row count, so the result is the
+    reference's bit for bit."""
+    inputs = make_inputs(3, 8, 2, seed=9)
+    assert small_rows_limit(torch.get_num_threads(), 4 * (inputs[1][0].numel() + inputs[2][0].numel())) == 0
+    assert torch.equal(fused_moe_grouped(*inputs), fused_moe_reference(*inputs))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "llama"])
+def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
+        monkeypatch: pytest.MonkeyPatch, checkpoint_factory, prompt_ids, family: str) -> None:
+    """The tiny test checkpoints fit in cache, where the kernel stays off: force it on for every
+    fp32 product with few rows, and greedy tokens still equal transformers'."""
+    import tiny_models
+
+    from batchgen import Engine, SamplingParams
+    from batchgen_kernels import cpu_small_rows
+
+    monkeypatch.setattr(cpu_small_rows, "IN_CACHE_BYTES", 0)
+    calls: list[str] = []
+    for name in ("_linear", "moe_small_rows_cpu"):
+        real = getattr(cpu_small_rows, name)
+        monkeypatch.setattr(cpu_small_rows, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    import batchgen_kernels.grouped_moe as grouped_moe
+
+    monkeypatch.setattr(grouped_moe, "moe_small_rows_cpu", cpu_small_rows.moe_small_rows_cpu)
+    model_dir = checkpoint_factory(family)
+    prompts = prompt_ids[:4]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = Engine(model_dir, dtype="float32", device="cpu").generate(prompts, params)
+    assert set(calls) == ({"_linear"} if family == "llama" else {"_linear", "moe_small_rows_cpu"})
+    assert [o.token_ids for o in outs] == [tiny_models.reference_generate(model_dir, p, 8, ignore_eos=True)
+                                           for p in prompts]

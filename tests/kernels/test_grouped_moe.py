@@ -1,7 +1,7 @@
 """The grouped-GEMM CPU MoE path against the torch reference (its oracle), at awkward sizes.
 
-The bit-for-bit tests turn the small-row expert kernel off (it agrees within rounding:
-test_cpu_small_rows.py); the parts test runs with it, as the engine does."""
+The bit-for-bit tests turn the small-row expert kernel off (it agrees within rounding, and runs
+only for experts whose weights come from memory: test_cpu_small_rows.py)."""
 from __future__ import annotations
 
 import pytest
