@@ -57,7 +57,7 @@ unset TRITON_INTERPRET   # the kernels must compile, not interpret
 
 # -- 2. tests: everything marked cuda, then the kernel tests compiled ------------------------------
 step cuda-tests 90 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
-step kernel-tests-compiled 70 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_paged_attention.py
+step kernel-tests-compiled 70 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_paged_attention.py
 
 # -- 3. parity against transformers (fp32 identical tokens; bf16 agreement) ---------------------
 step parity 80 "$PY" benchmarks/gpu_parity.py

@@ -143,7 +143,8 @@ def read_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int)
     Copies whole blocks (contiguous runs of block_size * W values), not one slot at a time: the
     same rows as indexing by slot, at a third of the cost on CPU."""
     w = cache.shape[-1]
-    rows = cache.view(-1, block_size * w).index_select(0, block_table.reshape(-1))
+    whole = cache.shape[0] - cache.shape[0] % block_size  # (with CUDA graphs a padding slot follows the blocks)
+    rows = cache[:whole].view(-1, block_size * w).index_select(0, block_table.reshape(-1))
     return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, w)
 
 

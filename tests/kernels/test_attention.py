@@ -92,3 +92,12 @@ def test_reading_whole_blocks_gives_the_rows_of_every_slot() -> None:
     rows = attention.read_blocks(cache, table, BLOCK)
     slots = (table.unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).flatten(1)  # [2, 3 * BLOCK]
     assert torch.equal(rows, cache[slots])
+
+
+def test_read_blocks_with_the_cuda_graph_padding_slot_after_the_blocks() -> None:
+    """With CUDA graphs the cache has one slot past its last block; block reads skip it."""
+    from batchgen.models.attention import read_blocks
+
+    cache = torch.cat([torch.arange(18 * 3, dtype=torch.float32).view(18, 3), torch.zeros(1, 3)])
+    rows = read_blocks(cache, torch.tensor([[2, 0]]), 2)
+    assert torch.equal(rows[0], torch.cat([cache[4:6], cache[0:2]]))
