@@ -94,12 +94,15 @@ def _experts_small_and_large(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     so computing experts in parts (fused_moe_grouped_into) gives the one-call result."""
     if rows.dtype != torch.float32 or not small_rows_enabled():
         return _grouped_gemms(rows, w13, w2, counts, N)
-    small = (counts > 0) & (counts <= small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel())))
+    used = counts > 0
+    small = used & (counts <= small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel())))
     if not bool(small.any()):
         return _grouped_gemms(rows, w13, w2, counts, N)
     y = torch.empty_like(rows)
     moe_small_rows_cpu(rows, w13, w2, counts, small, y)
-    if not bool(small.all()):
+    # experts with no rows are neither: a grouped GEMM over zero rows would still run a
+    # (per-expert, on CPU) product for every expert, each step of the decode tail
+    if bool((used & ~small).any()):
         large = (~small).repeat_interleave(counts)  # [R] rows of the large experts
         y[large] = _grouped_gemms(rows[large], w13, w2, counts.masked_fill(small, 0), N)
     return y

@@ -161,6 +161,33 @@ def test_one_call_mixes_the_paths_by_each_experts_rows() -> None:
     assert torch.equal(parts, got)
 
 
+def test_experts_without_rows_start_no_grouped_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode tail: a few rows on a few experts, the other experts empty. Every expert with
+    rows takes the kernel, so no grouped GEMM runs (one over zero rows would still run a product
+    per expert); with one expert over the limit, the grouped GEMM gets exactly its rows."""
+    from batchgen_kernels import grouped_moe
+
+    calls: list[list[int]] = []
+    real = grouped_moe._grouped_gemms
+
+    def counted(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, N: int) -> torch.Tensor:
+        calls.append(counts.tolist())
+        return real(rows, w13, w2, counts, N)
+
+    monkeypatch.setattr(grouped_moe, "_grouped_gemms", counted)
+    x, w13, w2, tw, _ = make_inputs(3, 8, 1, K=256, N=512, seed=5)
+    ids = torch.tensor([[2], [5], [2]])  # experts 2 and 5 have rows, six have none
+    got, want = fused_moe_grouped(x, w13, w2, tw, ids), fused_moe_reference(x, w13, w2, tw, ids)
+    assert calls == []
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+    limit = small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel()))
+    x, w13, w2, tw, _ = make_inputs(limit + 2, 8, 1, K=256, N=512, seed=6)
+    ids = torch.tensor([0] * (limit + 1) + [3]).unsqueeze(1)
+    got, want = fused_moe_grouped(x, w13, w2, tw, ids), fused_moe_reference(x, w13, w2, tw, ids)
+    assert calls == [[limit + 1] + [0] * 7]
+    assert torch.equal(got[:limit + 1], want[:limit + 1])
+
+
 def test_experts_whose_weights_fit_in_cache_keep_sgemm() -> None:
     """72 x 40 experts (35 KiB): sgemm wins there at every row count, so the result is the
     reference's bit for bit."""
