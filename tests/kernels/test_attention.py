@@ -101,3 +101,19 @@ def test_read_blocks_with_the_cuda_graph_padding_slot_after_the_blocks() -> None
     cache = torch.cat([torch.arange(18 * 3, dtype=torch.float32).view(18, 3), torch.zeros(1, 3)])
     rows = read_blocks(cache, torch.tensor([[2, 0]]), 2)
     assert torch.equal(rows[0], torch.cat([cache[4:6], cache[0:2]]))
+
+
+@pytest.mark.parametrize(("Q", "hq", "hk", "d"), [(1, 4, 2, 8), (37, 8, 4, 32), (96, 16, 4, 64), (20, 6, 6, 16)])
+def test_a_prompts_first_chunk_is_plain_causal_attention(Q: int, hq: int, hk: int, d: int) -> None:
+    """_attend_causal (SDPA's own causal mask and GQA, batched 4-D) against softmax attention
+    written out, query head h reading KV head h // (hq / hk)."""
+    g = torch.Generator().manual_seed(Q)
+    q, k, v = (torch.randn(Q, h, d, generator=g) for h in (hq, hk, hk))
+    scale = 1 / math.sqrt(d)
+    kk, vv = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
+    scores = torch.einsum("qhd,lhd->hql", q, kk) * scale
+    scores = scores.masked_fill(torch.ones(Q, Q, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("hql,lhd->qhd", scores.softmax(-1), vv)
+    got = attention._attend_causal(q, k, v, scale)
+    assert got.shape == (Q, hq, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
