@@ -200,10 +200,15 @@ def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor,
     `batch.decode_tables` (set where `use_paged_kernel` holds), reading the cache in place.
     fresh: [T, W] the rows just written to the cache, in batch order: a chunk that starts its
     sequence attends them directly (its whole context) instead of reading its blocks back."""
+    if batch.decode_tables is not None:
+        assert paged is not None, "a batch built for the paged kernel needs one"
+        if not batch.prefills:
+            # every row decodes (row i is decode i, no length groups beside the kernel): no
+            # gather of q and no scatter into `out`, two copies of the batch per layer
+            return paged(q.contiguous(), cache, batch.decode_tables)
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
     bs = batch.block_size
     if batch.decode_tables is not None:
-        assert paged is not None, "a batch built for the paged kernel needs one"
         out[batch.decode_tables.rows] = paged(q[batch.decode_tables.rows], cache, batch.decode_tables)
     for group in batch.decode_groups:
         rows = read_blocks(cache, group.block_table, bs)  # [Sg, L, W], L a whole number of blocks
