@@ -22,6 +22,13 @@
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
+
+// Short weight rows (a dot product of at most kPrefetchLen) are fetched kPrefetch floats ahead
+// in software: a row of 1-2 KiB ends before the hardware prefetcher has followed it. Measured
+// with 2 experts' rows streamed from memory (2 threads): 1.4-1.85x at width 256 and 1.1-1.2x at
+// 512 for 1-8 rows; none at 1024; a 5% loss at 4096, so longer rows are left to the hardware.
+constexpr int kPrefetch = 1024;
+constexpr int kPrefetchLen = 512;
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 
 inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
@@ -38,8 +45,11 @@ inline void dots(const float* x, int64_t ldx, const float* const* w, int k_len, 
   v8 acc[M][NW];
   for (int i = 0; i < M; ++i)
     for (int j = 0; j < NW; ++j) acc[i][j] = v8{};
+  const bool prefetch = k_len <= kPrefetchLen;
   int k = 0;
   for (; k + 8 <= k_len; k += 8) {
+    if (prefetch)  // (a prefetch past the weights' end is harmless: it never faults)
+      for (int j = 0; j < NW; ++j) __builtin_prefetch(w[j] + k + kPrefetch);
     v8 wv[NW];
     for (int j = 0; j < NW; ++j) wv[j] = load(w[j] + k);
     for (int i = 0; i < M; ++i) {
