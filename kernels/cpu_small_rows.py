@@ -41,6 +41,11 @@ def small_rows_limit(threads: int, weight_bytes: int) -> int:
     return SMALL_ROWS_ONE_THREAD if threads <= 1 else SMALL_ROWS_THREADS
 
 
+def expert_rows_limit(w13: torch.Tensor, w2: torch.Tensor) -> int:
+    """small_rows_limit for one expert of stacked fp32 weights w13 [E, 2N, K] and w2 [E, K, N]."""
+    return small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel()))
+
+
 def cpu_small_rows_available() -> bool:
     """Whether the compiled small-row kernels are usable here (built on first call)."""
     return cpu_kernels("small_rows_cpu") is not None

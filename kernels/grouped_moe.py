@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_moe_inputs
-from .cpu_small_rows import moe_small_rows_cpu, small_rows_enabled, small_rows_limit
+from .cpu_small_rows import expert_rows_limit, moe_small_rows_cpu, small_rows_enabled
 from .reference import check_slot_out, fused_moe_reference_into, sort_slots_by_expert, sum_over_choices
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -95,7 +95,7 @@ def _experts_small_and_large(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     if rows.dtype != torch.float32 or not small_rows_enabled():
         return _grouped_gemms(rows, w13, w2, counts, N)
     used = counts > 0
-    small = used & (counts <= small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel())))
+    small = used & (counts <= expert_rows_limit(w13, w2))
     if not bool(small.any()):
         return _grouped_gemms(rows, w13, w2, counts, N)
     y = torch.empty_like(rows)

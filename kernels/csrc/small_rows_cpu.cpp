@@ -22,6 +22,7 @@
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 
 // Short weight rows (a dot product of at most kPrefetchLen) are fetched kPrefetch floats ahead
 // in software: a row of 1-2 KiB ends before the hardware prefetcher has followed it. Measured
@@ -29,7 +30,6 @@ typedef float v8 __attribute__((vector_size(32)));
 // 512 for 1-8 rows; none at 1024; a 5% loss at 4096, so longer rows are left to the hardware.
 constexpr int kPrefetch = 1024;
 constexpr int kPrefetchLen = 512;
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 
 inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 

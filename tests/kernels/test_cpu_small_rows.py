@@ -11,6 +11,7 @@ from test_kernels import make_inputs
 from batchgen_kernels import KernelInputError, fused_moe_grouped, fused_moe_reference
 from batchgen_kernels.cpu_small_rows import (
     cpu_small_rows_available,
+    expert_rows_limit,
     linear_rows,
     linear_small_rows_cpu,
     moe_small_rows_cpu,
@@ -93,7 +94,7 @@ def test_grouped_path_with_small_and_large_experts_matches_the_reference(T: int,
     got, want = fused_moe_grouped(*inputs), fused_moe_reference(*inputs)
     assert (got - want).abs().max() <= TOL * want.abs().max()
     counts = torch.bincount(inputs[4].reshape(-1), minlength=E)
-    if bool((counts > small_rows_limit(torch.get_num_threads(), 4 * (inputs[1][0].numel() + inputs[2][0].numel()))).all()):
+    if bool((counts > expert_rows_limit(inputs[1], inputs[2])).all()):
         assert torch.equal(got, want)
 
 
@@ -150,7 +151,7 @@ def test_one_call_mixes_the_paths_by_each_experts_rows() -> None:
     others a few each (the kernel); computed in parts, the one-call result exactly."""
     x, w13, w2, tw, _ = make_inputs(120, 4, 1, K=256, N=512, seed=11)
     ids = torch.tensor([0] * 100 + [1, 2, 3] * 6 + [1, 2]).unsqueeze(1)
-    assert 100 > small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel())) >= 7
+    assert 100 > expert_rows_limit(w13, w2) >= 7
     got, want = fused_moe_grouped(x, w13, w2, tw, ids), fused_moe_reference(x, w13, w2, tw, ids)
     assert torch.equal(got[:100], want[:100])
     assert (got - want).abs().max() <= TOL * want.abs().max()
@@ -180,7 +181,7 @@ def test_experts_without_rows_start_no_grouped_gemm(monkeypatch: pytest.MonkeyPa
     got, want = fused_moe_grouped(x, w13, w2, tw, ids), fused_moe_reference(x, w13, w2, tw, ids)
     assert calls == []
     assert (got - want).abs().max() <= TOL * want.abs().max()
-    limit = small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel()))
+    limit = expert_rows_limit(w13, w2)
     x, w13, w2, tw, _ = make_inputs(limit + 2, 8, 1, K=256, N=512, seed=6)
     ids = torch.tensor([0] * (limit + 1) + [3]).unsqueeze(1)
     got, want = fused_moe_grouped(x, w13, w2, tw, ids), fused_moe_reference(x, w13, w2, tw, ids)
@@ -192,7 +193,7 @@ def test_experts_whose_weights_fit_in_cache_keep_sgemm() -> None:
     """72 x 40 experts (35 KiB): sgemm wins there at every row count, so the result is the
     reference's bit for bit."""
     inputs = make_inputs(3, 8, 2, seed=9)
-    assert small_rows_limit(torch.get_num_threads(), 4 * (inputs[1][0].numel() + inputs[2][0].numel())) == 0
+    assert expert_rows_limit(inputs[1], inputs[2]) == 0
     assert torch.equal(fused_moe_grouped(*inputs), fused_moe_reference(*inputs))
 
 
