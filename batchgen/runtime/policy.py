@@ -123,10 +123,11 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         """A finished (or removed) sequence gives its blocks back at once (cached ones stay
         findable until the pool needs them)."""
-        if seq in self.running:
+        try:  # one scan of the running list, not a membership test and then a removal
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        except ValueError:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
         if self.cache is not None:
             self.cache.register(seq)
         if self.lengths is not None and seq.is_finished and seq.finish_reason in ("stop", "length"):
@@ -151,7 +152,18 @@ class Scheduler:
         k - 1 decode steps (at most its remaining_tokens), evicting now what those steps would
         evict, so k forwards of the same batch can follow without another decision. The engine
         uses 1; the simulator plans decode slices of k steps with it."""
-        plan, budget = Plan(), self.config.max_num_batched_tokens
+        plan = Plan()
+        budget = self._schedule_running(plan, lookahead)
+        if not plan.evicted:  # after an eviction, admitting now would only thrash the pool
+            self.admit(plan, budget)
+        return plan
+
+    def _schedule_running(self, plan: Plan, lookahead: int) -> int:
+        """The running rows' part of `schedule`: each in order feeds what it has left (within
+        the token budget) and gets its blocks, evicting when the pool runs out. Returns the
+        budget left. (sim/batch.py computes this loop in closed form when nothing is evicted;
+        tests/sim/test_sim_batch.py holds the two equal.)"""
+        budget = self.config.max_num_batched_tokens
         cache = self.cache
         if cache is not None:  # the last forward filled these blocks: shareable from now on
             for seq in self.running:
@@ -195,8 +207,13 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        if plan.evicted:
-            return plan  # admitting now would only thrash the pool
+        return budget
+
+    def admit(self, plan: Plan, budget: int) -> None:
+        """The waiting rows' part of `schedule`: admit them in queue order into `plan` while
+        seats, `budget` tokens and the pool (less its watermark) allow."""
+        cache = self.cache
+        alloc = self.allocator
         pending = self._pending(plan) if cache is not None and self.waiting else set()
         deferred: list[Sequence] = []
         headroom = int(self.config.watermark * alloc.num_blocks)  # free blocks an admission leaves
@@ -237,7 +254,6 @@ class Scheduler:
             budget -= n
         for seq in reversed(deferred):  # first in line next step, in their order
             self.waiting.appendleft(seq)
-        return plan
 
     def _pending(self, plan: Plan) -> set[bytes]:
         """Hashes of the blocks this plan's forward fills (not shareable before it ends)."""

@@ -21,6 +21,7 @@ from ..errors import PlanError
 from ..policy.balance import EngineLoad, Migration, plan_migrations
 from .cost import CostModel
 from .engine import Arrival, EngineSimConfig, SimEngine
+from .gc_pace import rare_collections
 from .parallel import run_parallel
 from .partitions import partitioned_engines, rows_as_sequences
 from .policies import BatchGen, Dynamic, Policy, Static, deal
@@ -82,6 +83,12 @@ def simulate_all(workload: Workload, cost: CostModel, engine: EngineSimConfig, p
     """simulate() of each policy; with cluster.processes > 1 all at once, over that many
     processes (parallel.py: the same results). A batchgen variant with its own admission order
     (length-aware) runs in a pass of its own, its engines configured so."""
+    with rare_collections():
+        return _simulate_all(workload, cost, engine, policies, cluster, keep_timelines)
+
+
+def _simulate_all(workload: Workload, cost: CostModel, engine: EngineSimConfig, policies: tuple[Policy, ...],
+                  cluster: ClusterSimConfig, keep_timelines: bool) -> tuple[SimResult, ...]:
     for policy in policies:
         if not isinstance(policy, (Static, Dynamic, BatchGen)):
             raise PlanError(f"unknown policy {policy!r}")

@@ -119,14 +119,29 @@ class RooflineCost:
                    in_host / experts if experts else 0.0)
 
     def step_seconds(self, tokens: ArrayLike, seqs: ArrayLike, kv_tokens: ArrayLike,
-                     attn_pairs: ArrayLike) -> np.ndarray:
+                     attn_pairs: ArrayLike) -> np.ndarray | float:
         g, s = self.gpu, self.shape
+        if type(tokens) is int and type(kv_tokens) is int and 0 <= tokens < TOUCHED_TABLE_SIZE:
+            return self._one_step_seconds(tokens, kv_tokens, float(attn_pairs))  # type: ignore[arg-type]
         t = np.asarray(tokens, dtype=np.float64)
         touched = s.num_moe_layers * experts_touched(tokens, s.num_experts, s.top_k) * s.expert_bytes
         read = s.dense_bytes + touched * self.resident_fraction + np.asarray(kv_tokens) * s.kv_bytes_per_token
         flops = 2.0 * t * s.active_params_per_token + s.attn_flops_per_pair * np.asarray(attn_pairs, dtype=np.float64)
         device = np.maximum(flops / (g.peak_flops * g.compute_efficiency), read / (g.hbm_bytes_per_s * g.memory_efficiency))
         # Fetched experts are counted serially: a prefetcher hides part of it, which this omits.
+        fetch = touched * (self.host_fraction / g.pcie_bytes_per_s
+                           + (1.0 - self.resident_fraction - self.host_fraction) / max(g.disk_bytes_per_s, 1.0))
+        return g.step_overhead_s + device + fetch
+
+    def _one_step_seconds(self, tokens: int, kv_tokens: int, attn_pairs: float) -> float:
+        """step_seconds of one forward in Python floats: the same operations in the same order,
+        so the same value, without a dozen numpy calls on scalars (every simulated prefill)."""
+        g, s = self.gpu, self.shape
+        per_layer = float(_touched_table(s.num_experts, s.top_k)[tokens]) if s.num_experts else 0.0
+        touched = s.num_moe_layers * per_layer * s.expert_bytes
+        read = s.dense_bytes + touched * self.resident_fraction + kv_tokens * s.kv_bytes_per_token
+        flops = 2.0 * float(tokens) * s.active_params_per_token + s.attn_flops_per_pair * attn_pairs
+        device = max(flops / (g.peak_flops * g.compute_efficiency), read / (g.hbm_bytes_per_s * g.memory_efficiency))
         fetch = touched * (self.host_fraction / g.pcie_bytes_per_s
                            + (1.0 - self.resident_fraction - self.host_fraction) / max(g.disk_bytes_per_s, 1.0))
         return g.step_overhead_s + device + fetch

@@ -36,9 +36,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-import operator
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
@@ -47,9 +45,10 @@ from ..policy.balance import MAX_REPORTED, EngineLoad
 from ..policy.speed import SpeedMeter
 from ..runtime.policy import Admission, Eviction, Plan, Scheduler, SchedulerConfig, prefer_transfer
 from ..runtime.sequence import SeqStatus, Sequence
-from .blocks import NO_ID, BlockCounter
+from .batch import IntArray, RunningBatch
+from .blocks import BlockCounter
 from .cost import CostModel, recompute_tokens_per_s
-from .reports import ReportedMovable, running_rows
+from .reports import ReportedMovable
 from .seqs import SimRequest, row_group
 from .slices import DecodeSlice
 from .step_clock import StepClock
@@ -99,11 +98,12 @@ class Arrival:
     kv_tokens: int  # 0: it recomputes its KV here
 
 
-_NUM_NEW = operator.attrgetter("num_new")  # Plan.num_tokens, summed in C (every decision)
-
-
 class SimEngine:
     """One worker's engine for one model, on a simulated clock."""
+
+    # the running rows' part of a decision in closed form when nothing is evicted (batch.py);
+    # False: every decision is a Scheduler.schedule() call on the rows (the tests compare both)
+    closed_form: bool = True
 
     def __init__(self, name: str, cost: CostModel, config: EngineSimConfig, device: str | None = None) -> None:
         """device: its class for the balancer (equal classes count as equally fast); default:
@@ -138,6 +138,7 @@ class SimEngine:
         self.slice: DecodeSlice | None = None  # a decode slice running past the last tick
         self.tick = 0.0  # the time the engine was last run to: where a report or a cut refers to
         self.sealed = False  # no row will be added and no coroutine will arrive (see the docstring)
+        self.batch = RunningBatch([])  # the scheduler's running rows' counters (batch.py)
 
     # -- work in ----------------------------------------------------------------------------------
     def add(self, seq: Sequence, at: float = 0.0) -> None:
@@ -173,6 +174,7 @@ class SimEngine:
                 seq.num_computed = n
                 seq.transition(SeqStatus.RUNNING, "resume:with-kv")
                 self.scheduler.running.append(seq)
+                self.batch.extend([seq])
                 self.resumed["with-kv"] += 1
                 continue
             if n and self.swapped_tokens + n <= self.swap_space_tokens:
@@ -190,6 +192,7 @@ class SimEngine:
     def suspend(self, seq_ids: tuple[int, ...]) -> list[tuple[Sequence, int]]:
         """Take coroutines out at the yield point between forwards: [(seq, KV tokens it carries)]."""
         self.cut()
+        self.batch.sync()
         wanted = set(seq_ids)
         self.version += 1
         picked = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting) if int(s.seq_id) in wanted]
@@ -203,6 +206,7 @@ class SimEngine:
                 seq.num_swapped = 0
             self.scheduler.release(seq)
             out.append((seq, carry))
+        self.batch = RunningBatch(self.scheduler.running)
         return out
 
     def transfer_seconds(self, kv_tokens: int) -> float:
@@ -224,11 +228,11 @@ class SimEngine:
             running, remaining, taken, rows = self.slice.report(self.slice.position(self.tick))
             free -= taken
         else:
-            live = self.scheduler.running
-            running = len(live)
-            # remaining_tokens of a running row: it finishes (and leaves) once it reaches max_tokens
-            remaining = sum([q.params.max_tokens - len(q.output_ids) for q in live])
-            rows = functools.partial(running_rows, tuple(live))
+            b = self.batch
+            running = len(b)
+            left = b.remaining()  # a running row finishes (and leaves) once it reaches max_tokens
+            remaining = int(left.sum())
+            rows = functools.partial(_rows, b.ids, left, b.computed)  # (the batch's arrays are replaced, never written)
         movable = tuple(top) if len(top) >= MAX_REPORTED else ReportedMovable(top, rows, running)
         load = EngineLoad(self.name, "model", True, len(self.waiting), running,
                           self.waiting.remaining_tokens + remaining, 1 - free / self.allocator.num_blocks,
@@ -241,7 +245,7 @@ class SimEngine:
         """(waiting, running) rows at the last tick, as `load` reports them."""
         piece = self.slice
         running = len(self.scheduler.running) if piece is None else \
-            len(piece.seqs) - piece.finished_by(piece.position(self.tick))
+            len(piece.c0) - piece.finished_by(piece.position(self.tick))
         return len(self.waiting), running
 
     # -- time -------------------------------------------------------------------------------------
@@ -262,20 +266,20 @@ class SimEngine:
                 self.now = max(self.now, min(self.arrivals[0][0], t_end))
                 continue
             start, generated = self.now, self.generated
-            plan = self.scheduler.schedule(self._lookahead())
+            fed, scheduled, plan = self._schedule(self._lookahead())
             self.preemptions += len(plan.evicted)
             extra = sum(self._swap_out(ev.seq, ev.num_computed) for ev in plan.evicted)
-            if not plan:
+            if not scheduled.any():
                 self._unblock()
                 self.now += extra
-            elif self._decode_only(plan):
-                piece = self.slice = self._decode(plan, extra)
+            elif self._decode_only(fed, scheduled, plan):
+                piece = self.slice = self._decode(extra)
                 if piece.ends_after(t_end):
                     return
                 self._close(piece.k)
                 continue
             else:
-                self._step(plan, extra)
+                self._step(fed, scheduled, plan, extra)
             self._account(start, generated)
 
     def cut(self) -> None:
@@ -283,6 +287,41 @@ class SimEngine:
         about to act on this engine's state."""
         if self.slice is not None:
             self._close(self.slice.position(self.tick))
+
+    def settle(self) -> None:
+        """`cut`, and write the running rows' counters into their Sequence objects: the state a
+        caller reads off `scheduler` is then the runtime's."""
+        self.cut()
+        self.batch.sync()
+
+    def _schedule(self, lookahead: int) -> tuple[IntArray, np.ndarray, Plan]:
+        """Scheduler.schedule(lookahead) on the batch: (tokens each row of the batch feeds,
+        which rows are scheduled, the plan of evictions and admissions). The batch then holds
+        the admitted rows at its end, as the scheduler's running list does. With no eviction
+        the running rows' part is computed in closed form (batch.py), else by the real call."""
+        b, s = self.batch, self.scheduler
+        budget = self.config.max_num_batched_tokens
+        if self.closed_form:
+            fed, need, first = b.plan_running(budget, lookahead, self.allocator.block_size)
+            total = int(need.sum())
+            if total <= self.allocator.num_free:  # every allocation of the loop in turn fits
+                self.allocator.take(total)
+                b.blocks = b.blocks + need
+                plan = Plan()
+                s.admit(plan, budget - int(fed.sum()))
+                scheduled = np.arange(len(b) + len(plan.scheduled)) < first
+                if plan.scheduled:
+                    b.extend([item.seq for item in plan.scheduled])
+                    fed = np.concatenate([fed, [item.num_new for item in plan.scheduled]])
+                    scheduled[-len(plan.scheduled):] = True
+                return fed, scheduled, plan
+        b.sync()
+        plan = s.schedule(lookahead)
+        self.batch = b = RunningBatch(s.running)
+        num_new = {id(item.seq): item.num_new for item in plan.scheduled}
+        fed = np.fromiter((num_new.get(id(q), 0) for q in b.seqs), np.int64, len(b))
+        scheduled = np.fromiter((id(q) in num_new for q in b.seqs), bool, len(b))
+        return fed, scheduled, plan
 
     def _account(self, start: float, generated: int) -> None:
         self.busy_s += self.now - start
@@ -320,11 +359,12 @@ class SimEngine:
                             f"({self.allocator.capacity_tokens} tokens)")
         self.errors.append((int(seq.request_index), seq.error or ""))
 
-    def _decode_only(self, plan: Plan) -> bool:
-        n = len(plan.scheduled)
-        if plan.swapped_in or n != len(self.scheduler.running) or sum(map(_NUM_NEW, plan.scheduled)) != n:
-            return False  # every num_new >= 1, so all are 1 here; a 1-token chunk may still not sample:
-        return n < self.config.max_num_batched_tokens or all(item.samples for item in plan.scheduled)
+    def _decode_only(self, fed: IntArray, scheduled: np.ndarray, plan: Plan) -> bool:
+        """Does every running row feed one token and sample (a pure decode forward)?"""
+        if plan.swapped_in or not scheduled.all() or (fed != 1).any():
+            return False  # a 1-token chunk may still not sample:
+        b = self.batch
+        return len(b) < self.config.max_num_batched_tokens or bool((b.computed + 1 == b.prompt + b.out).all())
 
     def _finish_if_done(self, seq: Sequence) -> None:
         p: SimRequest = seq.params
@@ -334,40 +374,41 @@ class SimEngine:
             self.scheduler.release(seq)
             self.finished.append((int(seq.request_index), self.now))
 
-    def _step(self, plan: Plan, extra_s: float) -> None:
+    def _step(self, fed: IntArray, scheduled: np.ndarray, plan: Plan, extra_s: float) -> None:
         """One forward as planned (prefill chunks, swap-ins, a partial batch)."""
         for seq in plan.swapped_in:
             self.swapped_tokens -= seq.num_computed
             extra_s += seq.num_computed * self.cost.kv_bytes_per_token / self.cost.host_bytes_per_s
-        tokens = kv = sampled = 0
-        pairs = 0.0
-        stopping = []
-        for item in plan.scheduled:  # one pass (hot: every prefill step): sums before, state after
-            seq, n = item.seq, item.num_new
-            c = seq.num_computed
-            tokens, kv, pairs = tokens + n, kv + c + n, pairs + n * (c + (n + 1) / 2)
-            seq.num_computed = computed = c + n
-            out = len(seq.output_ids)
-            if computed == len(seq.prompt_ids) + out:  # ScheduledSeq.samples: it reached its last token
-                seq.output_ids = range(out + 1)  # type: ignore[assignment]
-                sampled += 1
-                if out + 1 >= seq.params.stop_at:
-                    stopping.append(seq)
-        self.now += float(self.cost.step_seconds(tokens, len(plan.scheduled), kv, pairs)) + extra_s
-        self.generated += sampled
-        for seq in stopping:
-            self._finish_if_done(seq)
+        b = self.batch
+        c, n = b.computed[scheduled], fed[scheduled]
+        # attention pairs sum n * (c + (n + 1) / 2): half-integers, summed exactly as integers
+        pairs = int((n * (2 * c + n + 1)).sum()) / 2
+        self.now += float(self.cost.step_seconds(int(n.sum()), len(n), int((c + n).sum()), pairs)) + extra_s
+        b.computed = computed = b.computed + fed
+        sampled = scheduled & (computed == b.prompt + b.out)  # ScheduledSeq.samples: it reached its last token
+        b.out = out = b.out + sampled
+        self.generated += int(np.count_nonzero(sampled))
+        self._finish_rows(np.flatnonzero(sampled & (out >= b.stop_at)))
 
-    def _decode(self, plan: Plan, extra_s: float) -> DecodeSlice:
-        """k >= 1 decode steps of the planned batch in closed form (see the module docstring)."""
-        seqs = [item.seq for item in plan.scheduled]
-        n = len(seqs)
-        # one pass of tuples chained into one array: a third less than appending to a flat list
-        # (hot: every slice)
-        state = np.fromiter(chain.from_iterable([(s.num_computed, len(s.output_ids), s.params.stop_at,
-                                                   len(s.block_ids)) for s in seqs]), np.int64, 4 * n).reshape(n, 4)
-        c0, out0, have = state[:, 0], state[:, 1], state[:, 3]
-        left = state[:, 2] - out0
+    def _finish_rows(self, rows: IntArray) -> None:
+        """The batch's rows at `rows` reached where they stop: they finish and leave."""
+        if not len(rows):
+            return
+        b = self.batch
+        index = rows.tolist()
+        b.sync(index)
+        for i in index:
+            self._finish_if_done(b.seqs[i])
+        keep = np.ones(len(b), bool)
+        keep[rows] = False
+        b.keep(keep)
+
+    def _decode(self, extra_s: float) -> DecodeSlice:
+        """k >= 1 decode steps of the whole batch in closed form (see the module docstring)."""
+        b = self.batch
+        n = len(b)
+        c0, out0, have = b.computed, b.out, b.blocks
+        left = b.stop_at - out0
         order = np.argsort(left, kind="stable")
         left_sorted, c_sorted = left[order], c0[order]
         config = self.config
@@ -385,13 +426,13 @@ class SimEngine:
         if self.arrivals:  # end at the first forward past the next arrival: it joins then
             cum = clock.upto(horizon)
             horizon = min(horizon, int(np.searchsorted(cum, self.arrivals[0][0] - self.now, side="left")) + 1)
-        piece = DecodeSlice(seqs, self.now, self.generated, c0, out0, left, have, left_sorted, clock, horizon,
-                            self.allocator.block_size)
+        piece = DecodeSlice(b.ids, b.max_tokens, self.now, self.generated, c0, out0, left, have, left_sorted, clock,
+                            horizon, self.allocator.block_size)
         piece.fit(self.allocator.num_free)
         return piece
 
     def _close(self, k: int) -> None:
-        """Write the open slice's first k steps into its sequences; rows that stopped leave."""
+        """Write the open slice's first k steps into the batch; rows that stopped leave."""
         piece, self.slice = self.slice, None
         assert piece is not None
         self.version += 1
@@ -399,15 +440,14 @@ class SimEngine:
         left = piece.left
         steps = np.minimum(left, k)
         self.generated += int(steps.sum())
-        seqs = piece.seqs
         need = piece.blocks_needed(k)  # (cached for k = piece.k)
-        self.allocator.take(int(need.sum()))  # the blocks of every row at once; each gets its ids below
-        for seq, computed, out, blocks in zip(seqs, (piece.c0 + steps).tolist(), (piece.out0 + steps).tolist(),
-                                              need.tolist()):
-            seq.num_computed = computed  # hot loop: plain ints
-            seq.output_ids = range(out)  # type: ignore[assignment]
-            if blocks:
-                seq.block_ids += [NO_ID] * blocks
-        for i in np.flatnonzero(steps == left).tolist():
-            self._finish_if_done(seqs[i])
+        self.allocator.take(int(need.sum()))  # the blocks of every row at once
+        b = self.batch  # the slice's rows, in its order: nothing changes the batch while it is open
+        b.computed, b.out, b.blocks = piece.c0 + steps, piece.out0 + steps, piece.have + need
+        self._finish_rows(np.flatnonzero(steps == left))
         self._account(piece.start, piece.generated)
+
+
+def _rows(ids: IntArray, remaining: IntArray, computed: IntArray) -> np.ndarray:
+    """[r, 3] (seq_id, remaining, num_computed) of running rows, as a report lists them."""
+    return np.stack([ids, remaining, computed], axis=1)

@@ -15,13 +15,6 @@ from typing import Any
 import numpy as np
 
 from ..policy.balance import MAX_REPORTED, CoroutineInfo, reported_movable
-from ..runtime.sequence import Sequence
-
-
-def running_rows(seqs: tuple[Sequence, ...]) -> np.ndarray:
-    """[r, 3] (seq_id, remaining, num_computed) of running sequences, in their order."""
-    return np.array([(int(q.seq_id), q.remaining_tokens, q.num_computed) for q in seqs],
-                    dtype=np.int64).reshape(-1, 3)
 
 
 class ReportedMovable(collections.abc.Sequence):

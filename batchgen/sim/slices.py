@@ -1,7 +1,7 @@
 """A decode slice: k decode steps of one batch in closed form, decided by one `schedule()` call.
 
 The engine (engine.py) computes a slice's step times at once (numpy over the batch) and writes
-its effect into the `Sequence` objects only when it closes: at its end, or at a tick where the
+its effect into the batch's counters (batch.py) only when it closes: at its end, or at a tick where the
 engine must act on its state (an order from the balancer, new rows), where it is cut after the
 forward in flight. Until then the engine's load report is read off the slice's arrays at the
 tick, equal to what closing it there would leave (tests/sim/test_sim_engine.py checks both).
@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..runtime.sequence import Sequence
 from .step_clock import StepClock
 
 # A slice's arrays: [n] int64, in the batch's (plan) order.
@@ -21,17 +20,17 @@ IntArray = np.ndarray
 
 
 class DecodeSlice:
-    """k >= 1 decode steps of `seqs` from `start`: row i feeds one token a step until it stops
-    after left[i] steps (it keeps its seat and blocks to the slice's end). clock.at(j): seconds
-    from `start` to the end of step j."""
+    """k >= 1 decode steps of a batch from `start` (its rows' seq ids and max_tokens): row i
+    feeds one token a step until it stops after left[i] steps (it keeps its seat and blocks to
+    the slice's end). clock.at(j): seconds from `start` to the end of step j."""
 
-    __slots__ = ("seqs", "start", "generated", "c0", "out0", "left", "have", "left_sorted", "clock", "k",
+    __slots__ = ("ids", "max_tokens", "start", "generated", "c0", "out0", "left", "have", "left_sorted", "clock", "k",
                  "block_size", "_reported", "_need")
 
-    def __init__(self, seqs: list[Sequence], start: float, generated: int, c0: IntArray, out0: IntArray,
-                 left: IntArray, have: IntArray, left_sorted: IntArray, clock: StepClock, k: int,
+    def __init__(self, ids: IntArray, max_tokens: IntArray, start: float, generated: int, c0: IntArray,
+                 out0: IntArray, left: IntArray, have: IntArray, left_sorted: IntArray, clock: StepClock, k: int,
                  block_size: int) -> None:
-        self.seqs, self.start, self.generated = seqs, start, generated
+        self.ids, self.max_tokens, self.start, self.generated = ids, max_tokens, start, generated
         self.c0, self.out0, self.left, self.have, self.left_sorted = c0, out0, left, have, left_sorted
         self.clock, self.k, self.block_size = clock, k, block_size
         self._reported: _Sorted | None = None  # made on the first report
@@ -86,7 +85,7 @@ class DecodeSlice:
             self._reported = _Sorted(self)
         r = self._reported
         f = self.finished_by(j)
-        alive = len(self.seqs) - f
+        alive = len(self.c0) - f
         remaining = int(r.remaining_suffix[f]) - alive * j
         # blocks a running row lacks after j steps: ceil((j - room) / block_size), room = the
         # tokens its blocks held beyond its context at the start
@@ -108,9 +107,7 @@ class _Sorted:
     __slots__ = ("ids", "max_tokens", "room", "remaining_suffix", "have_prefix")
 
     def __init__(self, piece: DecodeSlice) -> None:
-        seqs = piece.seqs
-        self.ids = np.fromiter((int(s.seq_id) for s in seqs), np.int64, len(seqs))
-        self.max_tokens = np.fromiter((s.params.max_tokens for s in seqs), np.int64, len(seqs))
+        self.ids, self.max_tokens = piece.ids, piece.max_tokens
         order = np.argsort(piece.left, kind="stable")
         have = piece.have[order]
         self.room = have * piece.block_size - piece.c0[order]

@@ -107,6 +107,7 @@ def test_engine_load_is_what_the_policy_reads(cost) -> None:
             e.cut()
             closed = e.load()
             assert replace(load, tokens_per_s=0, speed=0) == replace(closed, tokens_per_s=0, speed=0)
+        e.settle()  # the rows' Sequence objects as the runtime's report reads them
         unfinished = list(e.scheduler.waiting) + e.scheduler.running
         assert load.waiting == len(e.scheduler.waiting) and load.running == len(e.scheduler.running)
         assert load.remaining_tokens == sum(s.remaining_tokens for s in unfinished)

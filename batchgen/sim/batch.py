@@ -1,0 +1,114 @@
+"""A simulated engine's running rows as arrays, and the scheduler's running loop over them in
+closed form.
+
+`Scheduler.schedule()` visits every running row each forward: one Python iteration per row, and
+the step that follows writes each row's counters back. In a fleet of 128 engines of 256 rows
+that was most of a simulation's time. So the simulated engine (engine.py) keeps its running rows'
+counters here, in the scheduler's order (`Scheduler.running`), and writes them into the rows'
+`Sequence` objects only where the runtime's code reads them: a row that finishes, an eviction,
+a suspend, a report of the rows themselves (`sync`).
+
+`plan_running` is `Scheduler._schedule_running` (runtime/policy.py) computed with numpy when no
+row is evicted: the row at position i gets what is left of the token budget after the rows
+before it, min(its uncomputed tokens, that), while any is left; the pool is asked for
+sum(need) blocks, which fits exactly when every one of the loop's allocations in turn does.
+When it does not fit, the engine calls the real `schedule()` on synced rows, which evicts.
+tests/sim/test_sim_batch.py holds the two equal on random batches.
+"""
+from __future__ import annotations
+
+from itertools import chain, compress
+
+import numpy as np
+
+from ..runtime.sequence import Sequence
+from .blocks import NO_ID
+
+IntArray = np.ndarray  # [n] int64, in the scheduler's order of its running rows
+
+# the rows of `state`; the last three are the counters a Sequence holds (`sync`)
+_FIELDS = ("ids", "prompt", "max_tokens", "stop_at", "computed", "out", "blocks")
+_COLUMNS = len(_FIELDS)
+
+
+def _column(k: int) -> property:
+    def get(self: RunningBatch) -> IntArray:
+        return self.state[k]
+
+    def put(self: RunningBatch, values: IntArray) -> None:
+        state = self.state.copy()  # (a new array: what was read off the old one stays valid)
+        state[k] = values
+        self.state = state
+
+    return property(get, put)
+
+
+class RunningBatch:
+    """The counters of an engine's running rows: `seqs[i]`'s context computed, tokens generated,
+    prompt length, max_tokens, stop_at (where it really stops) and KV blocks held, as the rows
+    of one [7, n] array (a row joining or leaving is one numpy call, not seven). While a row is
+    here its Sequence's num_computed, output_ids and block_ids are stale until `sync`. The
+    array is replaced, never written in place: a column read off it keeps its values (a load
+    report lists the rows later, a decode slice reads its start)."""
+
+    __slots__ = ("seqs", "state")
+    ids, prompt, max_tokens, stop_at, computed, out, blocks = (_column(k) for k in range(_COLUMNS))
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        self.seqs: list[Sequence] = []
+        self.state = np.zeros((_COLUMNS, 0), np.int64)
+        self.extend(seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def extend(self, seqs: list[Sequence]) -> None:
+        """Rows joining the batch (admitted, resumed), with their Sequence's current state."""
+        if not seqs:
+            return
+        n = len(seqs)
+        new = np.fromiter(chain.from_iterable([(int(s.seq_id), len(s.prompt_ids), s.params.max_tokens, s.params.stop_at,
+                                                s.num_computed, len(s.output_ids), len(s.block_ids))
+                                               for s in seqs]), np.int64, _COLUMNS * n).reshape(n, _COLUMNS)
+        self.seqs = self.seqs + seqs
+        self.state = np.concatenate([self.state, new.T], axis=1)
+
+    def keep(self, mask: IntArray) -> None:
+        """Drop the rows where mask is False (they left the scheduler's running list)."""
+        self.seqs = list(compress(self.seqs, mask.tolist()))
+        self.state = self.state[:, mask]
+
+    def sync(self, rows: list[int] | None = None) -> None:
+        """Write the counters into the rows' Sequence objects (all, or those at `rows`), as the
+        runtime's code reads them. Block ids are placeholders (blocks.py): only their number
+        counts."""
+        seqs = self.seqs if rows is None else [self.seqs[i] for i in rows]
+        state = self.state[4:] if rows is None else self.state[4:, rows]  # computed, out, blocks
+        for seq, (computed, out, blocks) in zip(seqs, state.T.tolist()):
+            seq.num_computed = computed
+            if len(seq.output_ids) != out:
+                seq.output_ids = range(out)  # type: ignore[assignment]
+            if len(seq.block_ids) != blocks:
+                seq.block_ids = [NO_ID] * blocks
+
+    def remaining(self) -> IntArray:
+        """Sequence.remaining_tokens of each row."""
+        return np.maximum(self.max_tokens - self.out, 0)
+
+    def plan_running(self, budget: int, lookahead: int, block_size: int) -> tuple[IntArray, IntArray, int]:
+        """Scheduler._schedule_running with no eviction: (tokens each row feeds, 0 past the
+        budget; blocks each row needs beyond those it holds; how many rows are scheduled: a
+        prefix of the batch). The caller checks need.sum() against the free blocks."""
+        uncomputed = self.prompt + self.out - self.computed
+        before = np.cumsum(uncomputed) - uncomputed  # what the rows before it feed, at most
+        left = budget - before  # the budget a row sees (<= 0: the loop has stopped)
+        scheduled = int(np.count_nonzero(left > 0))  # a prefix: `before` only grows
+        n = np.maximum(np.minimum(uncomputed, left), 0)
+        end = self.computed + n
+        if lookahead > 1:  # a row that feeds all it has left also books its next decode steps
+            later = self.max_tokens - self.out - 1
+            end = end + np.where((n == uncomputed) & (later > 0), np.minimum(lookahead - 1, later), 0)
+        need = -(-end // block_size) - self.blocks
+        need[scheduled:] = 0
+        np.maximum(need, 0, out=need)
+        return n, need, scheduled
