@@ -28,6 +28,7 @@ IntArray = np.ndarray  # [n] int64, in the scheduler's order of its running rows
 
 # the rows of `state`; the last three are the counters a Sequence holds (`sync`)
 _FIELDS = ("ids", "prompt", "max_tokens", "stop_at", "computed", "out", "blocks")
+IDS, PROMPT, MAX_TOKENS, STOP_AT, COMPUTED, OUT, BLOCKS = range(len(_FIELDS))
 _COLUMNS = len(_FIELDS)
 
 
@@ -83,7 +84,7 @@ class RunningBatch:
         runtime's code reads them. Block ids are placeholders (blocks.py): only their number
         counts."""
         seqs = self.seqs if rows is None else [self.seqs[i] for i in rows]
-        state = self.state[4:] if rows is None else self.state[4:, rows]  # computed, out, blocks
+        state = self.state[COMPUTED:] if rows is None else self.state[COMPUTED:, rows]  # computed, out, blocks
         for seq, (computed, out, blocks) in zip(seqs, state.T.tolist()):
             seq.num_computed = computed
             if len(seq.output_ids) != out:

@@ -45,7 +45,7 @@ from ..policy.balance import MAX_REPORTED, EngineLoad
 from ..policy.speed import SpeedMeter
 from ..runtime.policy import Admission, Eviction, Plan, Scheduler, SchedulerConfig, prefer_transfer
 from ..runtime.sequence import SeqStatus, Sequence
-from .batch import IntArray, RunningBatch
+from .batch import BLOCKS, COMPUTED, OUT, PROMPT, STOP_AT, IntArray, RunningBatch
 from .blocks import BlockCounter
 from .cost import CostModel, recompute_tokens_per_s
 from .reports import ReportedMovable
@@ -380,15 +380,17 @@ class SimEngine:
             self.swapped_tokens -= seq.num_computed
             extra_s += seq.num_computed * self.cost.kv_bytes_per_token / self.cost.host_bytes_per_s
         b = self.batch
-        c, n = b.computed[scheduled], fed[scheduled]
+        state = b.state.copy()
+        c, n = (state[COMPUTED], fed) if scheduled.all() else (state[COMPUTED][scheduled], fed[scheduled])
         # attention pairs sum n * (c + (n + 1) / 2): half-integers, summed exactly as integers
         pairs = int((n * (2 * c + n + 1)).sum()) / 2
         self.now += float(self.cost.step_seconds(int(n.sum()), len(n), int((c + n).sum()), pairs)) + extra_s
-        b.computed = computed = b.computed + fed
-        sampled = scheduled & (computed == b.prompt + b.out)  # ScheduledSeq.samples: it reached its last token
-        b.out = out = b.out + sampled
+        state[COMPUTED] += fed  # (after the sums above: c may be a view of it)
+        sampled = scheduled & (state[COMPUTED] == state[PROMPT] + state[OUT])  # ScheduledSeq.samples: its last token
+        state[OUT] += sampled
+        b.state = state
         self.generated += int(np.count_nonzero(sampled))
-        self._finish_rows(np.flatnonzero(sampled & (out >= b.stop_at)))
+        self._finish_rows(np.flatnonzero(sampled & (state[OUT] >= state[STOP_AT])))
 
     def _finish_rows(self, rows: IntArray) -> None:
         """The batch's rows at `rows` reached where they stop: they finish and leave."""
@@ -443,7 +445,11 @@ class SimEngine:
         need = piece.blocks_needed(k)  # (cached for k = piece.k)
         self.allocator.take(int(need.sum()))  # the blocks of every row at once
         b = self.batch  # the slice's rows, in its order: nothing changes the batch while it is open
-        b.computed, b.out, b.blocks = piece.c0 + steps, piece.out0 + steps, piece.have + need
+        state = b.state.copy()
+        state[COMPUTED] += steps
+        state[OUT] += steps
+        state[BLOCKS] += need
+        b.state = state
         self._finish_rows(np.flatnonzero(steps == left))
         self._account(piece.start, piece.generated)
 

@@ -21,6 +21,7 @@ from batchgen.sim.policies import BatchGen, Dynamic, Static
 from batchgen.sim.profiles import load_profile
 from batchgen.sim.seqs import make_sequence
 from batchgen.sim.shapes import load_shape
+from batchgen.sim.slices import DecodeSlice
 from batchgen.sim.workload import synthetic
 
 
@@ -140,3 +141,25 @@ def test_collections_are_rarer_only_inside_the_block() -> None:
         assert gc.get_threshold()[0] == max(before[0], YOUNG_THRESHOLD)
         assert gc.get_threshold()[1:] == before[1:]
     assert gc.get_threshold() == before
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_kv_bound_slice_ends_where_the_pool_runs_out(seed: int) -> None:
+    """DecodeSlice.fit: the most steps whose new blocks fit the free ones, as a search over
+    every step count finds them."""
+    rng = np.random.default_rng(seed)
+    rows, block_size, k = int(rng.integers(1, 80)), int(rng.choice([1, 4, 16])), int(rng.integers(1, 300))
+    c0 = rng.integers(1, 5000, rows)
+    have = -(-(c0 + 1) // block_size) + rng.integers(0, 3, rows)  # step 1's block came with the plan
+    left = rng.integers(1, 400, rows)
+
+    def piece() -> DecodeSlice:
+        return DecodeSlice(np.arange(rows), left + 10, 0.0, 0, c0, np.zeros(rows, np.int64), left, have,
+                           np.sort(left), None, k, block_size)  # type: ignore[arg-type]
+
+    total = int(piece().blocks_needed(k).sum())
+    for free in sorted({0, total // 3, max(total - 1, 0), total, total + 5}):
+        p = piece()
+        p.fit(free)
+        fits = [j for j in range(1, k + 1) if int(piece().blocks_needed(j).sum()) <= free]
+        assert p.k == max(fits)
