@@ -87,10 +87,10 @@ class DecodeSlice:
         f = self.finished_by(j)
         alive = len(self.c0) - f
         remaining = int(r.remaining_suffix[f]) - alive * j
-        # blocks a running row lacks after j steps: ceil((j - room) / block_size), room = the
-        # tokens its blocks held beyond its context at the start
-        need = (j - r.room[f:] + (self.block_size - 1)) // self.block_size
-        taken = int(need[need > 0].sum()) - int(r.have_prefix[f])
+        # blocks a running row lacks after j steps: ceil((j - room) / block_size) when positive,
+        # room = the tokens its blocks held beyond its context at the start
+        lack = r.lack_at_0[f:] + j  # j + block_size - 1 - room: <= block_size - 1 where it lacks none
+        taken = int((np.maximum(lack, 0) // self.block_size).sum()) - int(r.have_prefix[f])
         return alive, remaining, taken, functools.partial(self._rows, j)
 
     def _rows(self, j: int) -> np.ndarray:
@@ -104,13 +104,13 @@ class _Sorted:
     """A slice's rows sorted by the steps they have left, with the sums a report needs: the
     rows finished after j steps are a prefix of this order."""
 
-    __slots__ = ("ids", "max_tokens", "room", "remaining_suffix", "have_prefix")
+    __slots__ = ("ids", "max_tokens", "lack_at_0", "remaining_suffix", "have_prefix")
 
     def __init__(self, piece: DecodeSlice) -> None:
         self.ids, self.max_tokens = piece.ids, piece.max_tokens
         order = np.argsort(piece.left, kind="stable")
         have = piece.have[order]
-        self.room = have * piece.block_size - piece.c0[order]
+        self.lack_at_0 = piece.block_size - 1 - (have * piece.block_size - piece.c0[order])  # (minus room)
         rest = (self.max_tokens - piece.out0)[order]
         self.remaining_suffix = np.concatenate([np.cumsum(rest[::-1])[::-1], [0]])
         self.have_prefix = np.concatenate([[0], np.cumsum(have)])
