@@ -96,10 +96,12 @@ class RunningBatch:
         """Sequence.remaining_tokens of each row."""
         return np.maximum(self.max_tokens - self.out, 0)
 
-    def plan_running(self, budget: int, lookahead: int, block_size: int) -> tuple[IntArray, IntArray, int]:
-        """Scheduler._schedule_running with no eviction: (tokens each row feeds, 0 past the
-        budget; blocks each row needs beyond those it holds; how many rows are scheduled: a
-        prefix of the batch). The caller checks need.sum() against the free blocks."""
+    def plan_running(self, budget: int, lookahead: int, block_size: int,
+                     free: int) -> tuple[IntArray, IntArray, int, int]:
+        """Scheduler._schedule_running under the "newest" eviction policy, on `free` blocks:
+        (tokens each row feeds, 0 where it is not scheduled; blocks each scheduled row gets;
+        how many rows are scheduled, a prefix of the batch; how many stay, a prefix too: the
+        rows after them are evicted, the last first)."""
         uncomputed = self.prompt + self.out - self.computed
         before = np.cumsum(uncomputed) - uncomputed  # what the rows before it feed, at most
         left = budget - before  # the budget a row sees (<= 0: the loop has stopped)
@@ -112,4 +114,23 @@ class RunningBatch:
         need = -(-end // block_size) - self.blocks
         need[scheduled:] = 0
         np.maximum(need, 0, out=need)
-        return n, need, scheduled
+        rows = len(self.seqs)
+        if int(need.sum()) <= free:  # every allocation of the loop in turn fits: nothing is evicted
+            return n, need, scheduled, rows
+        # Row i fits once the rows from e on are evicted (their blocks freed) when its need and
+        # the earlier rows' add up to at most free + held[e:]. The loop evicts the last row
+        # until it fits, so after row i the batch ends at the least such e yet (a row needing
+        # none asks what the row before it asked: no change); it stops at the first row the
+        # batch no longer reaches (a row that fits no e evicts itself).
+        asked = np.cumsum(need[:scheduled])
+        room = free + np.concatenate([np.cumsum(self.blocks[::-1])[::-1], [0]])  # for e = 0 .. rows, falling
+        fits_up_to = rows - np.searchsorted(room[::-1], asked, side="left")  # the last e that fits (-1: none)
+        ends = np.minimum.accumulate(fits_up_to)
+        cut = np.flatnonzero(np.arange(scheduled) >= ends)
+        if len(cut):
+            scheduled = keep = int(cut[0])
+        else:
+            keep = int(ends[-1]) if scheduled else rows
+        n[scheduled:] = 0
+        need[scheduled:] = 0
+        return n, need, scheduled, keep

@@ -297,18 +297,27 @@ class SimEngine:
     def _schedule(self, lookahead: int) -> tuple[IntArray, np.ndarray, Plan]:
         """Scheduler.schedule(lookahead) on the batch: (tokens each row of the batch feeds,
         which rows are scheduled, the plan of evictions and admissions). The batch then holds
-        the admitted rows at its end, as the scheduler's running list does. With no eviction
-        the running rows' part is computed in closed form (batch.py), else by the real call."""
+        the admitted rows at its end, as the scheduler's running list does. The running rows'
+        part is computed in closed form (batch.py) and its evictions done by the scheduler's
+        own `evict`; with another eviction policy than "newest", a decision that evicts is the
+        real call on the synced rows."""
         b, s = self.batch, self.scheduler
         budget = self.config.max_num_batched_tokens
         if self.closed_form:
-            fed, need, first = b.plan_running(budget, lookahead, self.allocator.block_size)
-            total = int(need.sum())
-            if total <= self.allocator.num_free:  # every allocation of the loop in turn fits
-                self.allocator.take(total)
-                b.blocks = b.blocks + need
+            fed, need, first, keep = b.plan_running(budget, lookahead, self.allocator.block_size,
+                                                    self.allocator.num_free)
+            if keep == len(b) or self.config.eviction == "newest":
                 plan = Plan()
-                s.admit(plan, budget - int(fed.sum()))
+                if keep < len(b):  # the loop evicts the last running row until the rest fit
+                    gone = list(range(len(b) - 1, keep - 1, -1))
+                    b.sync(gone)
+                    plan.evicted = [s.evict(b.seqs[i], "evict:kv-pool-full") for i in gone]
+                    b.keep(np.arange(len(b)) < keep)
+                    fed, need = fed[:keep], need[:keep]
+                self.allocator.take(int(need.sum()))
+                b.blocks = b.blocks + need
+                if not plan.evicted:  # after an eviction, admitting would only thrash the pool
+                    s.admit(plan, budget - int(fed.sum()))
                 scheduled = np.arange(len(b) + len(plan.scheduled)) < first
                 if plan.scheduled:
                     b.extend([item.seq for item in plan.scheduled])
