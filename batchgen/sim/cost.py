@@ -18,7 +18,7 @@ skewed, which touches fewer experts, so this errs towards slower small batches.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -86,6 +86,20 @@ class RooflineCost:
     host_bytes_per_s: float
     resident_fraction: float  # of the routed experts, on the device
     host_fraction: float  # of the routed experts, in host memory (the rest is on disk)
+    # per token count 0 .. TOUCHED_TABLE_SIZE - 1: bytes read besides the KV, seconds fetching
+    # experts, FLOPs of the parameters (what step_seconds computes from the count alone)
+    per_tokens: tuple[np.ndarray, np.ndarray, np.ndarray] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        g, s = self.gpu, self.shape
+        counts = np.arange(TOUCHED_TABLE_SIZE)
+        touched = s.num_moe_layers * experts_touched(counts, s.num_experts, s.top_k) * s.expert_bytes
+        base = s.dense_bytes + touched * self.resident_fraction
+        # Fetched experts are counted serially: a prefetcher hides part of it, which this omits.
+        fetch = touched * (self.host_fraction / g.pcie_bytes_per_s
+                           + (1.0 - self.resident_fraction - self.host_fraction) / max(g.disk_bytes_per_s, 1.0))
+        param_flops = 2.0 * counts.astype(np.float64) * s.active_params_per_token
+        object.__setattr__(self, "per_tokens", (base, fetch, param_flops))
 
     @classmethod
     def build(cls, gpu: GpuProfile, shape: ModelShape, tiers: ExpertTiers = ExpertTiers(),
@@ -123,6 +137,16 @@ class RooflineCost:
         g, s = self.gpu, self.shape
         if type(tokens) is int and type(kv_tokens) is int and 0 <= tokens < TOUCHED_TABLE_SIZE:
             return self._one_step_seconds(tokens, kv_tokens, float(attn_pairs))  # type: ignore[arg-type]
+        raw = np.asarray(tokens)
+        if raw.dtype.kind in "iu" and raw.size and 0 <= raw.min() and raw.max() < TOUCHED_TABLE_SIZE:
+            # integer token counts (every decode slice): the terms of the count looked up, the
+            # same values as the expressions below
+            base, fetched, param_flops = self.per_tokens
+            read = base[raw] + np.asarray(kv_tokens) * s.kv_bytes_per_token
+            flops = param_flops[raw] + s.attn_flops_per_pair * np.asarray(attn_pairs, dtype=np.float64)
+            device = np.maximum(flops / (g.peak_flops * g.compute_efficiency),
+                                read / (g.hbm_bytes_per_s * g.memory_efficiency))
+            return g.step_overhead_s + device + fetched[raw]
         t = np.asarray(tokens, dtype=np.float64)
         touched = s.num_moe_layers * experts_touched(tokens, s.num_experts, s.top_k) * s.expert_bytes
         read = s.dense_bytes + touched * self.resident_fraction + np.asarray(kv_tokens) * s.kv_bytes_per_token
@@ -137,14 +161,11 @@ class RooflineCost:
         """step_seconds of one forward in Python floats: the same operations in the same order,
         so the same value, without a dozen numpy calls on scalars (every simulated prefill)."""
         g, s = self.gpu, self.shape
-        per_layer = float(_touched_table(s.num_experts, s.top_k)[tokens]) if s.num_experts else 0.0
-        touched = s.num_moe_layers * per_layer * s.expert_bytes
-        read = s.dense_bytes + touched * self.resident_fraction + kv_tokens * s.kv_bytes_per_token
-        flops = 2.0 * float(tokens) * s.active_params_per_token + s.attn_flops_per_pair * attn_pairs
+        base, fetched, param_flops = self.per_tokens
+        read = float(base[tokens]) + kv_tokens * s.kv_bytes_per_token
+        flops = float(param_flops[tokens]) + s.attn_flops_per_pair * attn_pairs
         device = max(flops / (g.peak_flops * g.compute_efficiency), read / (g.hbm_bytes_per_s * g.memory_efficiency))
-        fetch = touched * (self.host_fraction / g.pcie_bytes_per_s
-                           + (1.0 - self.resident_fraction - self.host_fraction) / max(g.disk_bytes_per_s, 1.0))
-        return g.step_overhead_s + device + fetch
+        return g.step_overhead_s + device + float(fetched[tokens])
 
 
 def fit_features(tokens: ArrayLike, seqs: ArrayLike, kv_tokens: ArrayLike, attn_pairs: ArrayLike,

@@ -126,16 +126,19 @@ def test_a_fleet_simulates_the_same_with_the_closed_form(monkeypatch) -> None:
     assert fast[2].migrated_coroutines > 0
 
 
-def test_one_forwards_seconds_are_the_array_paths() -> None:
+def test_step_seconds_looked_up_by_token_count_are_the_expressions_values() -> None:
+    """One forward in Python floats and integer counts looked up (RooflineCost.per_tokens) give
+    the values of the expressions over float token counts, to the last bit."""
     rng = np.random.default_rng(0)
     for model, memory in (("qwen3-30b-a3b", None), ("mixtral-8x7b", 4 << 30), ("deepseek-v3", 8 << 30)):
         cost = build_cost(load_profile("H200"), load_shape(model), ExpertTiers(memory))
-        for _ in range(500):
-            tokens, kv = int(rng.integers(0, 20_000)), int(rng.integers(0, 10**7))
-            pairs = int(rng.integers(0, 10**9)) / 2
-            one = cost.step_seconds(tokens, tokens, kv, pairs)
-            assert type(one) is float
-            assert one == float(cost.step_seconds(np.asarray(tokens), tokens, np.asarray(kv), np.asarray(pairs)))
+        tokens, kv = rng.integers(0, 20_000, 500), rng.integers(0, 10**7, 500)
+        pairs = rng.integers(0, 10**9, 500) / 2
+        expressions = cost.step_seconds(tokens.astype(np.float64), tokens, kv, pairs)
+        assert (cost.step_seconds(tokens, tokens, kv, pairs) == expressions).all()
+        for t, k, p, want in zip(tokens.tolist(), kv.tolist(), pairs.tolist(), expressions.tolist()):
+            one = cost.step_seconds(t, t, k, p)
+            assert type(one) is float and one == want
 
 
 def test_collections_are_rarer_only_inside_the_block() -> None:
