@@ -102,16 +102,19 @@ class RunningBatch:
         (tokens each row feeds, 0 where it is not scheduled; blocks each scheduled row gets;
         how many rows are scheduled, a prefix of the batch; how many stay, a prefix too: the
         rows after them are evicted, the last first)."""
-        uncomputed = self.prompt + self.out - self.computed
+        state = self.state
+        computed, out = state[COMPUTED], state[OUT]
+        uncomputed = state[PROMPT] + out - computed
         before = np.cumsum(uncomputed) - uncomputed  # what the rows before it feed, at most
-        left = budget - before  # the budget a row sees (<= 0: the loop has stopped)
-        scheduled = int(np.count_nonzero(left > 0))  # a prefix: `before` only grows
-        n = np.maximum(np.minimum(uncomputed, left), 0)
-        end = self.computed + n
+        scheduled = int(before.searchsorted(budget))  # rows that see budget left: a prefix (`before` only grows)
+        n = np.minimum(uncomputed, budget - before)
+        np.maximum(n, 0, out=n)
+        end = computed + n
         if lookahead > 1:  # a row that feeds all it has left also books its next decode steps
-            later = self.max_tokens - self.out - 1
-            end = end + np.where((n == uncomputed) & (later > 0), np.minimum(lookahead - 1, later), 0)
-        need = -(-end // block_size) - self.blocks
+            later = state[MAX_TOKENS] - out - 1
+            end += np.where((n == uncomputed) & (later > 0), np.minimum(lookahead - 1, later), 0)
+        end += block_size - 1
+        need = end // block_size - state[BLOCKS]  # ceil(end / block_size) - held
         need[scheduled:] = 0
         np.maximum(need, 0, out=need)
         rows = len(self.seqs)
@@ -123,7 +126,7 @@ class RunningBatch:
         # none asks what the row before it asked: no change); it stops at the first row the
         # batch no longer reaches (a row that fits no e evicts itself).
         asked = np.cumsum(need[:scheduled])
-        room = free + np.concatenate([np.cumsum(self.blocks[::-1])[::-1], [0]])  # for e = 0 .. rows, falling
+        room = free + np.concatenate([np.cumsum(state[BLOCKS][::-1])[::-1], [0]])  # for e = 0 .. rows, falling
         fits_up_to = rows - np.searchsorted(room[::-1], asked, side="left")  # the last e that fits (-1: none)
         ends = np.minimum.accumulate(fits_up_to)
         cut = np.flatnonzero(np.arange(scheduled) >= ends)

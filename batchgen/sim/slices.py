@@ -58,8 +58,12 @@ class DecodeSlice:
     def blocks_needed(self, steps: int) -> IntArray:
         """Blocks each row needs beyond those it holds after `steps` steps (0 where it has them)."""
         if self._need is None or self._need[0] != steps:
-            self._need = (steps, np.maximum(-(-(self.c0 + np.minimum(self.left, steps)) // self.block_size)
-                                            - self.have, 0))
+            need = np.minimum(self.left, steps)
+            need += self.c0
+            need += self.block_size - 1
+            need //= self.block_size  # ceil((c0 + steps done) / block_size): the blocks it then holds
+            need -= self.have
+            self._need = (steps, np.maximum(need, 0, out=need))
         return self._need[1]
 
     def fit(self, free: int) -> None:
