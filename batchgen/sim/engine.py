@@ -269,7 +269,7 @@ class SimEngine:
             fed, scheduled, plan = self._schedule(self._lookahead())
             self.preemptions += len(plan.evicted)
             extra = sum(self._swap_out(ev.seq, ev.num_computed) for ev in plan.evicted)
-            if not scheduled.any():
+            if not len(fed) or (scheduled is not None and not scheduled.any()):  # nothing to run
                 self._unblock()
                 self.now += extra
             elif self._decode_only(fed, scheduled, plan):
@@ -294,9 +294,10 @@ class SimEngine:
         self.cut()
         self.batch.sync()
 
-    def _schedule(self, lookahead: int) -> tuple[IntArray, np.ndarray, Plan]:
+    def _schedule(self, lookahead: int) -> tuple[IntArray, np.ndarray | None, Plan]:
         """Scheduler.schedule(lookahead) on the batch: (tokens each row of the batch feeds,
-        which rows are scheduled, the plan of evictions and admissions). The batch then holds
+        which rows are scheduled (None: every row, the common case), the plan of evictions and
+        admissions). The batch then holds
         the admitted rows at its end, as the scheduler's running list does. The running rows'
         part is computed in closed form (batch.py) and its evictions done by the scheduler's
         own `evict`; with another eviction policy than "newest", a decision that evicts is the
@@ -318,11 +319,12 @@ class SimEngine:
                 b.blocks = b.blocks + need
                 if not plan.evicted:  # after an eviction, admitting would only thrash the pool
                     s.admit(plan, budget - int(fed.sum()))
-                scheduled = np.arange(len(b) + len(plan.scheduled)) < first
+                scheduled = None if first == len(b) else np.arange(len(b) + len(plan.scheduled)) < first
                 if plan.scheduled:
                     b.extend([item.seq for item in plan.scheduled])
                     fed = np.concatenate([fed, [item.num_new for item in plan.scheduled]])
-                    scheduled[-len(plan.scheduled):] = True
+                    if scheduled is not None:
+                        scheduled[-len(plan.scheduled):] = True
                 return fed, scheduled, plan
         b.sync()
         plan = s.schedule(lookahead)
@@ -330,7 +332,7 @@ class SimEngine:
         num_new = {id(item.seq): item.num_new for item in plan.scheduled}
         fed = np.fromiter((num_new.get(id(q), 0) for q in b.seqs), np.int64, len(b))
         scheduled = np.fromiter((id(q) in num_new for q in b.seqs), bool, len(b))
-        return fed, scheduled, plan
+        return fed, None if scheduled.all() else scheduled, plan
 
     def _account(self, start: float, generated: int) -> None:
         self.busy_s += self.now - start
@@ -368,9 +370,9 @@ class SimEngine:
                             f"({self.allocator.capacity_tokens} tokens)")
         self.errors.append((int(seq.request_index), seq.error or ""))
 
-    def _decode_only(self, fed: IntArray, scheduled: np.ndarray, plan: Plan) -> bool:
+    def _decode_only(self, fed: IntArray, scheduled: np.ndarray | None, plan: Plan) -> bool:
         """Does every running row feed one token and sample (a pure decode forward)?"""
-        if plan.swapped_in or not scheduled.all() or (fed != 1).any():
+        if plan.swapped_in or scheduled is not None or (fed != 1).any():
             return False  # a 1-token chunk may still not sample:
         b = self.batch
         return len(b) < self.config.max_num_batched_tokens or bool((b.computed + 1 == b.prompt + b.out).all())
@@ -383,19 +385,21 @@ class SimEngine:
             self.scheduler.release(seq)
             self.finished.append((int(seq.request_index), self.now))
 
-    def _step(self, fed: IntArray, scheduled: np.ndarray, plan: Plan, extra_s: float) -> None:
+    def _step(self, fed: IntArray, scheduled: np.ndarray | None, plan: Plan, extra_s: float) -> None:
         """One forward as planned (prefill chunks, swap-ins, a partial batch)."""
         for seq in plan.swapped_in:
             self.swapped_tokens -= seq.num_computed
             extra_s += seq.num_computed * self.cost.kv_bytes_per_token / self.cost.host_bytes_per_s
         b = self.batch
         state = b.state.copy()
-        c, n = (state[COMPUTED], fed) if scheduled.all() else (state[COMPUTED][scheduled], fed[scheduled])
+        c, n = (state[COMPUTED], fed) if scheduled is None else (state[COMPUTED][scheduled], fed[scheduled])
         # attention pairs sum n * (c + (n + 1) / 2): half-integers, summed exactly as integers
         pairs = int((n * (2 * c + n + 1)).sum()) / 2
         self.now += float(self.cost.step_seconds(int(n.sum()), len(n), int((c + n).sum()), pairs)) + extra_s
         state[COMPUTED] += fed  # (after the sums above: c may be a view of it)
-        sampled = scheduled & (state[COMPUTED] == state[PROMPT] + state[OUT])  # ScheduledSeq.samples: its last token
+        sampled = state[COMPUTED] == state[PROMPT] + state[OUT]  # ScheduledSeq.samples: it reached its last token
+        if scheduled is not None:
+            sampled &= scheduled
         state[OUT] += sampled
         b.state = state
         self.generated += int(np.count_nonzero(sampled))
