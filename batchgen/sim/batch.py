@@ -111,8 +111,10 @@ class RunningBatch:
         np.maximum(n, 0, out=n)
         end = computed + n
         if lookahead > 1:  # a row that feeds all it has left also books its next decode steps
-            later = state[MAX_TOKENS] - out - 1
-            end += np.where((n == uncomputed) & (later > 0), np.minimum(lookahead - 1, later), 0)
+            later = state[MAX_TOKENS] - out - 1  # (tokens it may still feed after this one)
+            np.minimum(np.maximum(later, 0, out=later), lookahead - 1, out=later)  # (np.clip: 3x slower)
+            later *= n == uncomputed
+            end += later
         end += block_size - 1
         need = end // block_size - state[BLOCKS]  # ceil(end / block_size) - held
         need[scheduled:] = 0
