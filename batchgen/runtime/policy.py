@@ -161,8 +161,8 @@ class Scheduler:
     def _schedule_running(self, plan: Plan, lookahead: int) -> int:
         """The running rows' part of `schedule`: each in order feeds what it has left (within
         the token budget) and gets its blocks, evicting when the pool runs out. Returns the
-        budget left. (sim/batch.py computes this loop in closed form when nothing is evicted;
-        tests/sim/test_sim_batch.py holds the two equal.)"""
+        budget left. (sim/batch.py computes this loop in closed form; tests/sim/test_sim_batch.py
+        holds the two equal.)"""
         budget = self.config.max_num_batched_tokens
         cache = self.cache
         if cache is not None:  # the last forward filled these blocks: shareable from now on

@@ -8,12 +8,14 @@ counters here, in the scheduler's order (`Scheduler.running`), and writes them i
 `Sequence` objects only where the runtime's code reads them: a row that finishes, an eviction,
 a suspend, a report of the rows themselves (`sync`).
 
-`plan_running` is `Scheduler._schedule_running` (runtime/policy.py) computed with numpy when no
-row is evicted: the row at position i gets what is left of the token budget after the rows
-before it, min(its uncomputed tokens, that), while any is left; the pool is asked for
-sum(need) blocks, which fits exactly when every one of the loop's allocations in turn does.
-When it does not fit, the engine calls the real `schedule()` on synced rows, which evicts.
-tests/sim/test_sim_batch.py holds the two equal on random batches.
+`plan_running` is `Scheduler._schedule_running` (runtime/policy.py) computed with numpy: the
+row at position i gets what is left of the token budget after the rows before it, min(its
+uncomputed tokens, that), while any is left; the pool is asked for sum(need) blocks, which fits
+exactly when every one of the loop's allocations in turn does. When it does not, the loop
+evicts the last running row until the rest fit (the "newest" policy), and `plan_running` says
+where the batch then ends; the engine evicts those rows with the scheduler's own `evict` (with
+another policy it calls the real `schedule()` on synced rows). tests/sim/test_sim_batch.py holds
+the two equal on random batches and pools.
 """
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
 """A simulated engine: the runtime's own Scheduler (and its allocator, counting blocks), with a cost
 model for time.
 
-Every scheduling decision is `Scheduler.schedule()` (admission, chunked prefill, eviction by the
-configured policy) on real `Sequence` objects whose token lists are `range`s: the
-policy reads only lengths. Between decisions the engine advances in slices:
+Every scheduling decision is `Scheduler.schedule()`'s (admission, chunked prefill, eviction by
+the configured policy) on real `Sequence` objects whose token lists are `range`s: the policy
+reads only lengths. The running rows' counters are held in arrays between decisions
+(batch.py), which computes the scheduler's loop over them in closed form; admissions and
+evictions are the scheduler's own `admit` and `evict`. Between decisions the engine advances in
+slices:
 
 - a forward that prefills, swaps in, or leaves a running sequence out is one step, as planned;
 - a pure decode forward is extended to k steps at once, in closed form (slices.py: numpy over
@@ -101,8 +104,8 @@ class Arrival:
 class SimEngine:
     """One worker's engine for one model, on a simulated clock."""
 
-    # the running rows' part of a decision in closed form when nothing is evicted (batch.py);
-    # False: every decision is a Scheduler.schedule() call on the rows (the tests compare both)
+    # the running rows' part of a decision in closed form (batch.py); False: every decision is a
+    # Scheduler.schedule() call on the synced rows (the tests compare both)
     closed_form: bool = True
 
     def __init__(self, name: str, cost: CostModel, config: EngineSimConfig, device: str | None = None) -> None:
@@ -297,11 +300,10 @@ class SimEngine:
     def _schedule(self, lookahead: int) -> tuple[IntArray, np.ndarray | None, Plan]:
         """Scheduler.schedule(lookahead) on the batch: (tokens each row of the batch feeds,
         which rows are scheduled (None: every row, the common case), the plan of evictions and
-        admissions). The batch then holds
-        the admitted rows at its end, as the scheduler's running list does. The running rows'
-        part is computed in closed form (batch.py) and its evictions done by the scheduler's
-        own `evict`; with another eviction policy than "newest", a decision that evicts is the
-        real call on the synced rows."""
+        admissions). The batch then holds the admitted rows at its end, as the scheduler's
+        running list does. The running rows' part is computed in closed form (batch.py) and its
+        evictions done by the scheduler's own `evict`; with another eviction policy than
+        "newest", a decision that evicts is the real call on the synced rows."""
         b, s = self.batch, self.scheduler
         budget = self.config.max_num_batched_tokens
         if self.closed_form:
