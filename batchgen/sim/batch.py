@@ -106,22 +106,28 @@ class RunningBatch:
         rows after them are evicted, the last first)."""
         state = self.state
         computed, out = state[COMPUTED], state[OUT]
+        rows = len(self.seqs)
         uncomputed = state[PROMPT] + out - computed
-        before = np.cumsum(uncomputed) - uncomputed  # what the rows before it feed, at most
-        scheduled = int(before.searchsorted(budget))  # rows that see budget left: a prefix (`before` only grows)
-        n = np.minimum(uncomputed, budget - before)
-        np.maximum(n, 0, out=n)
+        upto = np.cumsum(uncomputed)
+        if not rows or int(upto[-1]) < budget:  # every row sees budget left and feeds all it has (most forwards)
+            scheduled, n, whole = rows, uncomputed, None
+        else:
+            before = upto - uncomputed  # what the rows before it feed, at most
+            scheduled = int(before.searchsorted(budget))  # rows that see budget left: a prefix (`before` grows)
+            n = np.minimum(uncomputed, budget - before)
+            np.maximum(n, 0, out=n)
+            whole = n == uncomputed
         end = computed + n
         if lookahead > 1:  # a row that feeds all it has left also books its next decode steps
             later = state[MAX_TOKENS] - out - 1  # (tokens it may still feed after this one)
             np.minimum(np.maximum(later, 0, out=later), lookahead - 1, out=later)  # (np.clip: 3x slower)
-            later *= n == uncomputed
+            if whole is not None:
+                later *= whole
             end += later
         end += block_size - 1
         need = end // block_size - state[BLOCKS]  # ceil(end / block_size) - held
         need[scheduled:] = 0
         np.maximum(need, 0, out=need)
-        rows = len(self.seqs)
         if int(need.sum()) <= free:  # every allocation of the loop in turn fits: nothing is evicted
             return n, need, scheduled, rows
         # Row i fits once the rows from e on are evicted (their blocks freed) when its need and

@@ -48,12 +48,13 @@ def test_the_closed_form_running_loop_is_the_schedulers(seed: int) -> None:
     order) are the real loop's, on pools from ample to nearly empty."""
     rng = np.random.default_rng(seed)
     block_size = int(rng.choice([1, 4, 16]))
-    budget = int(rng.choice([1, 7, 64, 512, 8192]))
     lookahead = int(rng.choice([1, 2, 9, 64]))
     rows = int(rng.integers(1, 60))
     alloc = BlockCounter(100_000, block_size)
     seqs = _running(rng, rows, block_size, alloc)
     batch = RunningBatch(seqs)
+    fed_all = sum(q.num_tokens - q.num_computed for q in seqs)  # every row feeding all it has left
+    budget = max(1, int(rng.choice([1, 7, 64, 8192, fed_all - 1, fed_all, fed_all + 1])))
     asked = int(batch.plan_running(budget, lookahead, block_size, 10**9)[1].sum())
     free = int(rng.choice([asked, asked + 3, asked - 1, asked // 2, 0])) if asked else int(rng.integers(0, 3))
     free = max(free, 0)
