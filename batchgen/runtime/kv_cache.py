@@ -111,6 +111,8 @@ class BlockAllocator:
 
     def num_idle(self, blocks: list[int]) -> int:
         """How many of `blocks` sit idle (taking a hold on them shrinks num_free by this)."""
+        if not blocks:  # (every admission without a prefix hit: no generator to build)
+            return 0
         return sum(1 for b in blocks if self._refs[b] == 0)
 
     def share(self, blocks: list[int]) -> None:

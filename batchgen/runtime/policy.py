@@ -234,7 +234,7 @@ class Scheduler:
             computed = restored or len(hits) * self.allocator.block_size
             n = min(seq.num_tokens - computed, budget)
             need = self.allocator.extra_blocks(len(hits), computed + n)
-            if not self.allocator.can_allocate(need + (self.allocator.num_idle(hits) if hits else 0)
+            if not self.allocator.can_allocate(need + self.allocator.num_idle(hits)
                                                + (headroom if self.running else 0)):
                 break  # (an empty batch admits into any room: the watermark must not starve it)
             self.waiting.popleft()

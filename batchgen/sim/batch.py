@@ -13,7 +13,7 @@ row at position i gets what is left of the token budget after the rows before it
 uncomputed tokens, that), while any is left; the pool is asked for sum(need) blocks, which fits
 exactly when every one of the loop's allocations in turn does. When it does not, the loop
 evicts the last running row until the rest fit (the "newest" policy), and `plan_running` says
-where the batch then ends; the engine evicts those rows with the scheduler's own `evict` (with
+where the batch then ends; decision.py evicts those rows with the scheduler's own `evict` (with
 another policy it calls the real `schedule()` on synced rows). tests/sim/test_sim_batch.py holds
 the two equal on random batches and pools.
 """

@@ -4,8 +4,8 @@ model for time.
 Every scheduling decision is `Scheduler.schedule()`'s (admission, chunked prefill, eviction by
 the configured policy) on real `Sequence` objects whose token lists are `range`s: the policy
 reads only lengths. The running rows' counters are held in arrays between decisions
-(batch.py), which computes the scheduler's loop over them in closed form; admissions and
-evictions are the scheduler's own `admit` and `evict`. Between decisions the engine advances in
+(batch.py), and a decision computes the scheduler's loop over them in closed form, its
+admissions and evictions the scheduler's own `admit` and `evict` (decision.py). Between decisions the engine advances in
 slices:
 
 - a forward that prefills, swaps in, or leaves a running sequence out is one step, as planned;
@@ -51,6 +51,7 @@ from ..runtime.sequence import SeqStatus, Sequence
 from .batch import BLOCKS, COMPUTED, OUT, PROMPT, STOP_AT, IntArray, RunningBatch
 from .blocks import BlockCounter
 from .cost import CostModel, recompute_tokens_per_s
+from .decision import schedule_batch
 from .reports import ReportedMovable
 from .seqs import SimRequest, row_group
 from .slices import DecodeSlice
@@ -269,7 +270,8 @@ class SimEngine:
                 self.now = max(self.now, min(self.arrivals[0][0], t_end))
                 continue
             start, generated = self.now, self.generated
-            fed, scheduled, plan = self._schedule(self._lookahead())
+            self.batch, fed, scheduled, plan = schedule_batch(self.batch, self.scheduler, self._lookahead(),
+                                                              self.closed_form)
             self.preemptions += len(plan.evicted)
             extra = sum(self._swap_out(ev.seq, ev.num_computed) for ev in plan.evicted)
             if not len(fed) or (scheduled is not None and not scheduled.any()):  # nothing to run
@@ -296,45 +298,6 @@ class SimEngine:
         caller reads off `scheduler` is then the runtime's."""
         self.cut()
         self.batch.sync()
-
-    def _schedule(self, lookahead: int) -> tuple[IntArray, np.ndarray | None, Plan]:
-        """Scheduler.schedule(lookahead) on the batch: (tokens each row of the batch feeds,
-        which rows are scheduled (None: every row, the common case), the plan of evictions and
-        admissions). The batch then holds the admitted rows at its end, as the scheduler's
-        running list does. The running rows' part is computed in closed form (batch.py) and its
-        evictions done by the scheduler's own `evict`; with another eviction policy than
-        "newest", a decision that evicts is the real call on the synced rows."""
-        b, s = self.batch, self.scheduler
-        budget = self.config.max_num_batched_tokens
-        if self.closed_form:
-            fed, need, first, keep = b.plan_running(budget, lookahead, self.allocator.block_size,
-                                                    self.allocator.num_free)
-            if keep == len(b) or self.config.eviction == "newest":
-                plan = Plan()
-                if keep < len(b):  # the loop evicts the last running row until the rest fit
-                    gone = list(range(len(b) - 1, keep - 1, -1))
-                    b.sync(gone)
-                    plan.evicted = [s.evict(b.seqs[i], "evict:kv-pool-full") for i in gone]
-                    b.keep(np.arange(len(b)) < keep)
-                    fed, need = fed[:keep], need[:keep]
-                self.allocator.take(int(need.sum()))
-                b.blocks = b.blocks + need
-                if not plan.evicted:  # after an eviction, admitting would only thrash the pool
-                    s.admit(plan, budget - int(fed.sum()))
-                scheduled = None if first == len(b) else np.arange(len(b) + len(plan.scheduled)) < first
-                if plan.scheduled:
-                    b.extend([item.seq for item in plan.scheduled])
-                    fed = np.concatenate([fed, [item.num_new for item in plan.scheduled]])
-                    if scheduled is not None:
-                        scheduled[-len(plan.scheduled):] = True
-                return fed, scheduled, plan
-        b.sync()
-        plan = s.schedule(lookahead)
-        self.batch = b = RunningBatch(s.running)
-        num_new = {id(item.seq): item.num_new for item in plan.scheduled}
-        fed = np.fromiter((num_new.get(id(q), 0) for q in b.seqs), np.int64, len(b))
-        scheduled = np.fromiter((id(q) in num_new for q in b.seqs), bool, len(b))
-        return fed, None if scheduled.all() else scheduled, plan
 
     def _account(self, start: float, generated: int) -> None:
         self.busy_s += self.now - start
