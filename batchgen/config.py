@@ -9,9 +9,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import dask.config
-from dask.utils import parse_bytes
-
 # With experts offloaded every expert copy is paid once per MoE stage, so the engine keeps more
 # coroutines per forward (bench_offload, 1024 rows: MoE batch 223 against 197 tokens, 15% fewer
 # expert bytes per token) and bounds each attention micro-batch's KV working set, which costs
@@ -26,6 +23,10 @@ BYTE_FIELDS = ("kv_cache_bytes", "swap_space_bytes", "expert_memory_bytes", "exp
 
 def parse_size(text: str, name: str) -> int:
     """'2GiB' -> 2147483648 (dask's units: GiB = 2**30, GB = 10**9); ValueError naming `name`."""
+    # imported here, as dask.config below: dask takes a tenth of a second to import, and commands
+    # that read sizes without a cluster (`batchgen plan`) need none of it
+    from dask.utils import parse_bytes
+
     try:
         value = parse_bytes(text)
     except (ValueError, TypeError) as exc:
@@ -140,6 +141,8 @@ class EngineConfig:
 
         A keyword given as None counts as not given.
         """
+        import dask.config
+
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:

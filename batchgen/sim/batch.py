@@ -19,7 +19,7 @@ the two equal on random batches and pools.
 """
 from __future__ import annotations
 
-from itertools import chain, compress
+from itertools import chain
 
 import numpy as np
 
@@ -52,13 +52,14 @@ class RunningBatch:
     of one [7, n] array (a row joining or leaving is one numpy call, not seven). While a row is
     here its Sequence's num_computed, output_ids and block_ids are stale until `sync`. The
     array is replaced, never written in place: a column read off it keeps its values (a load
-    report lists the rows later, a decode slice reads its start)."""
+    report lists the rows later, a decode slice reads its start). `seqs` is the batch's own
+    list (never the scheduler's), changed in place."""
 
     __slots__ = ("seqs", "state")
     ids, prompt, max_tokens, stop_at, computed, out, blocks = (_column(k) for k in range(_COLUMNS))
 
     def __init__(self, seqs: list[Sequence]) -> None:
-        self.seqs: list[Sequence] = []
+        self.seqs: list[Sequence] = []  # (a list of its own: `seqs` is copied in)
         self.state = np.zeros((_COLUMNS, 0), np.int64)
         self.extend(seqs)
 
@@ -73,13 +74,26 @@ class RunningBatch:
         new = np.fromiter(chain.from_iterable([(int(s.seq_id), len(s.prompt_ids), s.params.max_tokens, s.params.stop_at,
                                                 s.num_computed, len(s.output_ids), len(s.block_ids))
                                                for s in seqs]), np.int64, _COLUMNS * n).reshape(n, _COLUMNS)
-        self.seqs = self.seqs + seqs
+        self.seqs.extend(seqs)
         self.state = np.concatenate([self.state, new.T], axis=1)
 
     def keep(self, mask: IntArray) -> None:
-        """Drop the rows where mask is False (they left the scheduler's running list)."""
-        self.seqs = list(compress(self.seqs, mask.tolist()))
-        self.state = self.state[:, mask]
+        """Drop the rows where mask (bool) is False (they left the scheduler's running list)."""
+        self.drop(np.flatnonzero(~mask).tolist(), mask)
+
+    def drop(self, rows: list[int], mask: IntArray | None = None) -> None:
+        """Drop the rows at `rows` (ascending positions; `mask`: False there, if made already)."""
+        if not rows:
+            return
+        if mask is None:
+            mask = np.ones(len(self.seqs), bool)
+            mask[rows] = False
+        # `seqs` is this batch's own list, changed in place: a copy would touch every row's
+        # Sequence (its reference count), scattered in memory, where deleting moves pointers only
+        seqs = self.seqs
+        for i in reversed(rows):
+            del seqs[i]
+        self.state = self.state.compress(mask, axis=1)
 
     def sync(self, rows: list[int] | None = None) -> None:
         """Write the counters into the rows' Sequence objects (all, or those at `rows`), as the

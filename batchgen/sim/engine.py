@@ -36,6 +36,7 @@ acts on it (new rows, a suspend, an arriving coroutine).
 """
 from __future__ import annotations
 
+import collections.abc
 import functools
 import heapq
 import math
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
-from ..policy.balance import MAX_REPORTED, EngineLoad
+from ..policy.balance import MAX_REPORTED, CoroutineInfo, EngineLoad
 from ..policy.speed import SpeedMeter
 from ..runtime.policy import Admission, Eviction, Plan, Scheduler, SchedulerConfig, prefer_transfer
 from ..runtime.sequence import SeqStatus, Sequence
@@ -57,6 +58,10 @@ from .seqs import SimRequest, row_group
 from .slices import DecodeSlice
 from .step_clock import StepClock
 from .waiting import LengthWaitingQueue, WaitingQueue
+
+# what a load report says that changes (shard.LOAD_FIELDS): waiting, running, remaining tokens,
+# KV used, tokens/s, speed
+LoadNumbers = tuple[int, int, int, float, float, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +143,8 @@ class SimEngine:
         self.arrivals: list[tuple[float, int, Arrival]] = []
         self.recompute_rate = recompute_tokens_per_s(cost, config.max_num_batched_tokens)
         self.version = 0  # bumped by every change of state: a load report is reused until then
-        self._load: tuple[tuple[int, float], EngineLoad] | None = None
+        self._report: tuple[tuple[int, float], LoadNumbers, collections.abc.Sequence[CoroutineInfo]] | None = None
+        self._load: tuple[LoadNumbers, EngineLoad] | None = None  # (the report it was made from, it)
         self.slice: DecodeSlice | None = None  # a decode slice running past the last tick
         self.tick = 0.0  # the time the engine was last run to: where a report or a cut refers to
         self.sealed = False  # no row will be added and no coroutine will arrive (see the docstring)
@@ -220,9 +226,23 @@ class SimEngine:
         """What the runner reports to the plugin (runner.py `_snapshot`), on simulated state: at
         the last tick, as closing a running slice there would leave it (`cut`). The same report
         as long as nothing changed since the last one (an idle engine)."""
-        key = (self.version, self.tick if self.slice is not None else -1.0)
-        if self._load is not None and self._load[0] == key:
+        numbers, movable = self.report()
+        if self._load is not None and self._load[0] is numbers:
             return self._load[1]
+        waiting, running, remaining, kv_used, tokens_per_s, speed = numbers
+        load = EngineLoad(self.name, "model", True, waiting, running, remaining, kv_used, tokens_per_s,
+                          movable, speed, self.allocator.capacity_tokens,  # type: ignore[arg-type]
+                          self.config.max_num_seqs, self.device)
+        self._load = (numbers, load)
+        return load
+
+    def report(self) -> tuple[LoadNumbers, collections.abc.Sequence[CoroutineInfo]]:
+        """`load`'s fields that change (shard.LOAD_FIELDS: waiting, running, remaining tokens,
+        KV used, tokens/s, speed) and its movable coroutines, without an EngineLoad: a child
+        process sends only the numbers (parallel.py), 128 engines a tick."""
+        key = (self.version, self.tick if self.slice is not None else -1.0)
+        if self._report is not None and self._report[0] == key:
+            return self._report[1], self._report[2]
         # the runner lists waiting rows, then running ones, and keeps the first MAX_REPORTED of
         # a stable sort, not-started first; waiting rows are not started, so only their top
         # MAX_REPORTED can make it, and when there are that many no running row does
@@ -238,12 +258,10 @@ class SimEngine:
             remaining = int(left.sum())
             rows = functools.partial(_rows, b.ids, left, b.computed)  # (the batch's arrays are replaced, never written)
         movable = tuple(top) if len(top) >= MAX_REPORTED else ReportedMovable(top, rows, running)
-        load = EngineLoad(self.name, "model", True, len(self.waiting), running,
-                          self.waiting.remaining_tokens + remaining, 1 - free / self.allocator.num_blocks,
-                          self.meter.tokens_per_s, movable, self.meter.speed,  # type: ignore[arg-type]
-                          self.allocator.capacity_tokens, self.config.max_num_seqs, self.device)
-        self._load = (key, load)
-        return load
+        numbers = (len(self.waiting), running, self.waiting.remaining_tokens + remaining,
+                   1 - free / self.allocator.num_blocks, self.meter.tokens_per_s, self.meter.speed)
+        self._report = (key, numbers, movable)
+        return numbers, movable
 
     def occupancy(self) -> tuple[int, int]:
         """(waiting, running) rows at the last tick, as `load` reports them."""
@@ -342,13 +360,21 @@ class SimEngine:
         b = self.batch
         return len(b) < self.config.max_num_batched_tokens or bool((b.computed + 1 == b.prompt + b.out).all())
 
-    def _finish_if_done(self, seq: Sequence) -> None:
-        p: SimRequest = seq.params
-        n = len(seq.output_ids)
-        if n >= p.output_len or n >= p.max_tokens:
-            seq.finish("stop" if n < p.max_tokens else "length")
-            self.scheduler.release(seq)
-            self.finished.append((int(seq.request_index), self.now))
+    def _finish_all(self, rows: list[int]) -> None:
+        """The batch's rows at `rows` (ascending) that reached their end finish and give their
+        seats and blocks back (the batch keeps them: the caller drops them)."""
+        seqs, running, done = self.batch.seqs, self.scheduler.running, []
+        for i in rows:
+            seq = seqs[i]
+            if running[i] is not seq:  # (a pointer comparison: the batch mirrors the running list)
+                raise AssertionError(f"{self.name}: the batch's row {i} is not the scheduler's")
+            p: SimRequest = seq.params
+            n = len(seq.output_ids)
+            if n >= p.output_len or n >= p.max_tokens:
+                seq.finish("stop" if n < p.max_tokens else "length")
+                done.append(i)
+                self.finished.append((int(seq.request_index), self.now))
+        self.scheduler.release_running(done)  # (the batch's positions are the running list's)
 
     def _step(self, fed: IntArray, scheduled: np.ndarray | None, plan: Plan, extra_s: float) -> None:
         """One forward as planned (prefill chunks, swap-ins, a partial batch)."""
@@ -374,14 +400,10 @@ class SimEngine:
         """The batch's rows at `rows` reached where they stop: they finish and leave."""
         if not len(rows):
             return
-        b = self.batch
         index = rows.tolist()
-        b.sync(index)
-        for i in index:
-            self._finish_if_done(b.seqs[i])
-        keep = np.ones(len(b), bool)
-        keep[rows] = False
-        b.keep(keep)
+        self.batch.sync(index)
+        self._finish_all(index)
+        self.batch.drop(index)
 
     def _decode(self, extra_s: float) -> DecodeSlice:
         """k >= 1 decode steps of the whole batch in closed form (see the module docstring)."""

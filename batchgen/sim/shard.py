@@ -10,19 +10,21 @@ parent, and to the end once the others are done.
 """
 from __future__ import annotations
 
+import collections.abc
 import math
 from typing import Any
 
 import numpy as np
 
-from ..policy.balance import EngineLoad
+from ..policy.balance import CoroutineInfo, EngineLoad
 from .cost import CostModel
 from .engine import Arrival, EngineSimConfig, SimEngine
 from .partitions import partitioned_engines, rows_as_sequences
 from .reports import ReportedMovable
 from .workload import Workload
 
-# numeric fields of a load report, as they cross a pipe (float64 holds them exactly)
+# numeric fields of a load report, as they cross a pipe (float64 holds them exactly): the order of
+# SimEngine.report's numbers
 LOAD_FIELDS = ("waiting", "running", "remaining_tokens", "kv_used", "tokens_per_s", "speed")
 # per engine: (rows finished, time of the last, rows failed, busy seconds, timeline)
 EngineResult = tuple[int, float, int, float, tuple[tuple[float, float, int], ...]]
@@ -42,7 +44,7 @@ class Shard:
         self.by_name = {kind: {e.name: e for e in engines} for kind, engines in self.fleets.items()}
         for e in self.fleets.get("static", []):
             e.sealed = True  # static's engines never get more rows
-        self.loads: dict[str, EngineLoad] = {}
+        self.movables: dict[str, collections.abc.Sequence[CoroutineInfo]] = {}  # of the last reports
         self.background_s = background_s  # simulated seconds a static engine advances per step of background
         self._next_static = 0
 
@@ -73,10 +75,9 @@ class Shard:
             if kind == "dynamic":
                 out["occupancy"] = np.array([e.occupancy() for e in engines], dtype=np.int64).reshape(-1, 2)
             else:
-                loads = [e.load() for e in engines]
-                self.loads = {load.worker: load for load in loads}
-                out["loads"] = np.array([[getattr(load, f) for f in LOAD_FIELDS] + [len(load.movable)]
-                                         for load in loads], dtype=np.float64)
+                reports = [e.report() for e in engines]
+                self.movables = {e.name: movable for e, (_, movable) in zip(engines, reports)}
+                out["loads"] = np.array([numbers + (len(movable),) for numbers, movable in reports], dtype=np.float64)
         return out
 
     def template(self) -> list[EngineLoad]:
@@ -85,7 +86,7 @@ class Shard:
 
     def movable(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """The movable coroutines of `name`'s last report, packed (ReportedMovable.packed)."""
-        movable = self.loads[name].movable
+        movable = self.movables[name]
         if isinstance(movable, ReportedMovable):
             return movable.packed()
         rows = np.array([(c.seq_id, c.remaining, c.num_computed) for c in movable], dtype=np.int64).reshape(-1, 3)

@@ -94,7 +94,9 @@ class DecodeSlice:
         # blocks a running row lacks after j steps: ceil((j - room) / block_size) when positive,
         # room = the tokens its blocks held beyond its context at the start
         lack = r.lack_at_0[f:] + j  # j + block_size - 1 - room: <= block_size - 1 where it lacks none
-        taken = int((np.maximum(lack, 0) // self.block_size).sum()) - int(r.have_prefix[f])
+        np.maximum(lack, 0, out=lack)
+        lack //= self.block_size
+        taken = int(np.add.reduce(lack)) - int(r.have_prefix[f])
         return alive, remaining, taken, functools.partial(self._rows, j)
 
     def _rows(self, j: int) -> np.ndarray:

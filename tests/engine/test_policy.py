@@ -130,3 +130,30 @@ def test_admission_leaves_the_watermark_free_so_the_batch_does_not_thrash() -> N
     assert [s.num_new for s in sched.schedule().scheduled] == [790]
     with pytest.raises(ValueError, match="watermark"):
         SchedulerConfig(watermark=1.0)
+
+
+@pytest.mark.parametrize("admission", ["fifo", "length"])
+def test_release_running_by_position_is_release_of_each(admission: str) -> None:
+    """Releasing running rows by position leaves the scheduler as releasing each in turn: the
+    same running list (the same list object), free blocks and learned lengths."""
+    def started() -> Scheduler:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, admission=admission),
+                          BlockAllocator(64, 4))
+        for i in range(6):
+            sched.add(seq(i, 3 + i))
+        run_forward(sched.schedule())
+        for s in sched.running[1::2]:
+            s.finish("stop")
+        return sched
+
+    one_by_one, by_position = started(), started()
+    before = by_position.running
+    for s in [s for s in one_by_one.running if s.is_finished]:
+        one_by_one.release(s)
+    by_position.release_running([i for i, s in enumerate(by_position.running) if s.is_finished])
+    assert by_position.running is before
+    assert [s.seq_id for s in by_position.running] == [s.seq_id for s in one_by_one.running] == [0, 2, 4]
+    assert by_position.allocator.num_free == one_by_one.allocator.num_free > started().allocator.num_free
+    if admission == "length":
+        assert by_position.lengths.finished == one_by_one.lengths.finished == 3
+        assert by_position.lengths.version == one_by_one.lengths.version
