@@ -95,10 +95,12 @@ class RunningBatch:
             del seqs[i]
         self.state = self.state.compress(mask, axis=1)
 
-    def sync(self, rows: list[int] | None = None) -> None:
+    def sync(self, rows: list[int] | None = None, finishing: bool = False) -> None:
         """Write the counters into the rows' Sequence objects (all, or those at `rows`), as the
         runtime's code reads them. Block ids are placeholders (blocks.py): only their number
-        counts."""
+        counts. `finishing`: the rows finish next, and their blocks are only counted as they
+        are given back, so they get a `range` of that length instead of a list (a finishing
+        reasoning row holds hundreds)."""
         seqs = self.seqs if rows is None else [self.seqs[i] for i in rows]
         state = self.state[COMPUTED:] if rows is None else self.state[COMPUTED:, rows]  # computed, out, blocks
         for seq, (computed, out, blocks) in zip(seqs, state.T.tolist()):
@@ -106,7 +108,7 @@ class RunningBatch:
             if len(seq.output_ids) != out:
                 seq.output_ids = range(out)  # type: ignore[assignment]
             if len(seq.block_ids) != blocks:
-                seq.block_ids = [NO_ID] * blocks
+                seq.block_ids = range(blocks) if finishing else [NO_ID] * blocks  # type: ignore[assignment]
 
     def remaining(self) -> IntArray:
         """Sequence.remaining_tokens of each row."""

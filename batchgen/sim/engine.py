@@ -361,20 +361,20 @@ class SimEngine:
         return len(b) < self.config.max_num_batched_tokens or bool((b.computed + 1 == b.prompt + b.out).all())
 
     def _finish_all(self, rows: list[int]) -> None:
-        """The batch's rows at `rows` (ascending) that reached their end finish and give their
-        seats and blocks back (the batch keeps them: the caller drops them)."""
-        seqs, running, done = self.batch.seqs, self.scheduler.running, []
+        """The batch's rows at `rows` (ascending), which reached where they stop, finish and give
+        their seats and blocks back (the batch keeps them: the caller drops them)."""
+        seqs, running = self.batch.seqs, self.scheduler.running
         for i in rows:
             seq = seqs[i]
             if running[i] is not seq:  # (a pointer comparison: the batch mirrors the running list)
                 raise AssertionError(f"{self.name}: the batch's row {i} is not the scheduler's")
             p: SimRequest = seq.params
             n = len(seq.output_ids)
-            if n >= p.output_len or n >= p.max_tokens:
-                seq.finish("stop" if n < p.max_tokens else "length")
-                done.append(i)
-                self.finished.append((int(seq.request_index), self.now))
-        self.scheduler.release_running(done)  # (the batch's positions are the running list's)
+            if n < p.output_len and n < p.max_tokens:
+                raise AssertionError(f"{self.name}: row {seq.seq_id} stopped before its end")
+            seq.finish("stop" if n < p.max_tokens else "length")
+            self.finished.append((int(seq.request_index), self.now))
+        self.scheduler.release_running(rows)  # (the batch's positions are the running list's)
 
     def _step(self, fed: IntArray, scheduled: np.ndarray | None, plan: Plan, extra_s: float) -> None:
         """One forward as planned (prefill chunks, swap-ins, a partial batch)."""
@@ -401,7 +401,7 @@ class SimEngine:
         if not len(rows):
             return
         index = rows.tolist()
-        self.batch.sync(index)
+        self.batch.sync(index, finishing=True)
         self._finish_all(index)
         self.batch.drop(index)
 
