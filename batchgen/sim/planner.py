@@ -105,9 +105,10 @@ def default_tick(ideal: IdealBound) -> float:
 def run_plan(workload: Workload, cost: CostModel, engine: EngineSimConfig, cluster: ClusterSimConfig,
              policies: tuple[Policy, ...] = DEFAULT_POLICIES, keep_timelines: bool = False,
              tick_s: float | None = None) -> PlanReport:
+    """Every policy on `workload`, with the ideal bound. tick_s: how often the simulated
+    plugin looks (None: `default_tick` for the job; the cluster's own tick_s is not used)."""
     ideal = ideal_bound(workload, cost, engine, cluster.workers)
-    if tick_s is None:
-        cluster = replace(cluster, tick_s=default_tick(ideal))
+    cluster = replace(cluster, tick_s=default_tick(ideal) if tick_s is None else tick_s)
     results = simulate_all(workload, cost, engine, policies, cluster, keep_timelines)
     return PlanReport(cluster.workers, results, ideal)
 

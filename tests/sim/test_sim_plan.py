@@ -18,7 +18,7 @@ from batchgen.sim.cluster import PLUGIN_COOLDOWN_S, ClusterSimConfig, simulate
 from batchgen.sim.cost import ExpertTiers, build_cost, experts_touched
 from batchgen.sim.engine import EngineSimConfig
 from batchgen.sim.planner import ideal_bound, run_plan
-from batchgen.sim.policies import BatchGen
+from batchgen.sim.policies import DEFAULT_POLICIES, BatchGen
 from batchgen.sim.profiles import BUILTIN_PROFILES, GpuProfile, load_profile
 from batchgen.sim.shapes import BUILTIN_MODELS, load_shape
 from batchgen.sim.workload import load_lengths, synthetic
@@ -306,3 +306,13 @@ def test_ideal_bound_terms(h200) -> None:
     one, many = (ideal_bound(w, h200, EngineSimConfig(), n) for n in (1, 1000))
     assert one.work_s == pytest.approx(1000 * many.work_s)
     assert many.bct_s == many.longest_row_s  # a thousand workers wait for the longest row
+
+
+def test_a_tick_given_to_run_plan_is_the_tick_simulated(h200) -> None:
+    w = synthetic("reasoning", 400, 0)
+    engine = EngineSimConfig()
+    given = [r.bct_s for r in run_plan(w, h200, engine, ClusterSimConfig(4), tick_s=7.0).results]
+    default = [r.bct_s for r in run_plan(w, h200, engine, ClusterSimConfig(4)).results]
+    direct = [r.bct_s for r in sim_cluster.simulate_all(w, h200, engine, DEFAULT_POLICIES, ClusterSimConfig(4, tick_s=7.0))]
+    assert given == direct
+    assert given != default  # the tick matters on this job (dynamic deals once a tick)
