@@ -77,17 +77,12 @@ class RunningBatch:
         self.seqs.extend(seqs)
         self.state = np.concatenate([self.state, new.T], axis=1)
 
-    def keep(self, mask: IntArray) -> None:
-        """Drop the rows where mask (bool) is False (they left the scheduler's running list)."""
-        self.drop(np.flatnonzero(~mask).tolist(), mask)
-
-    def drop(self, rows: list[int], mask: IntArray | None = None) -> None:
-        """Drop the rows at `rows` (ascending positions; `mask`: False there, if made already)."""
+    def drop(self, rows: list[int]) -> None:
+        """Drop the rows at `rows` (ascending positions: they left the scheduler's running list)."""
         if not rows:
             return
-        if mask is None:
-            mask = np.ones(len(self.seqs), bool)
-            mask[rows] = False
+        mask = np.ones(len(self.seqs), bool)
+        mask[rows] = False
         # `seqs` is this batch's own list, changed in place: a copy would touch every row's
         # Sequence (its reference count), scattered in memory, where deleting moves pointers only
         seqs = self.seqs

@@ -85,7 +85,7 @@ def test_a_batch_writes_its_counters_back_into_the_rows() -> None:
     assert seqs[1].num_computed == int(batch.computed[1]) and len(seqs[1].output_ids) == int(batch.out[1])
     assert len(seqs[1].block_ids) == int(batch.blocks[1]) and seqs[0].num_computed != int(batch.computed[0])
     kept = batch.state
-    batch.keep(np.array([True, False, True, False, True]))
+    batch.drop([1, 3])
     assert batch.seqs == [seqs[0], seqs[2], seqs[4]] and batch.ids.tolist() == [0, 2, 4]
     batch.drop([0, 2])
     assert batch.seqs == [seqs[2]] and batch.ids.tolist() == [2] and batch.state.shape == (7, 1)
