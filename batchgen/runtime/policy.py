@@ -135,6 +135,9 @@ class Scheduler:
         them from the running list by position: no scan, and no other row touched (the
         simulator finishes rows of 128 engines' batches this way)."""
         running = self.running
+        if positions and (positions[0] < 0 or positions[-1] >= len(running)
+                          or any(b <= a for a, b in zip(positions, positions[1:]))):
+            raise ValueError(f"release_running needs ascending positions in 0..{len(running) - 1}, got {positions}")
         seqs = [running[i] for i in positions]
         for i in reversed(positions):
             del running[i]

@@ -157,3 +157,8 @@ def test_release_running_by_position_is_release_of_each(admission: str) -> None:
     if admission == "length":
         assert by_position.lengths.finished == one_by_one.lengths.finished == 3
         assert by_position.lengths.version == one_by_one.lengths.version
+    with pytest.raises(ValueError, match="ascending positions"):
+        by_position.release_running([1, 0])
+    with pytest.raises(ValueError, match="ascending positions"):
+        by_position.release_running([3])
+    assert [s.seq_id for s in by_position.running] == [0, 2, 4]  # nothing released
