@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from ..progress import Mode, Progress
 from .plugin import PLUGIN_NAME
+from .worker import EXTENSION
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -28,6 +29,21 @@ def metrics(client: Client) -> dict[str, Any]:
 def _metrics(dask_scheduler: Any) -> dict[str, Any]:
     plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
     return plugin.metrics() if plugin is not None else {}
+
+
+def _departed(dask_scheduler: Any) -> dict[str, int]:
+    """The plugin's counters of workers that left (in its totals)."""
+    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
+    return dict(plugin.counters.departed) if plugin is not None else {}
+
+
+def _own_counters(dask_worker: Any) -> tuple[int, int]:
+    """(rows done, tokens generated) of this worker's host, as of now; (0, 0) without one."""
+    side = dask_worker.extensions.get(EXTENSION)
+    if side is None:
+        return 0, 0
+    counters = side.host.counters
+    return counters.rows_done, counters.generated_tokens
 
 
 class progress:  # noqa: N801 - used as a context manager, like tqdm
@@ -48,7 +64,7 @@ class progress:  # noqa: N801 - used as a context manager, like tqdm
         self._seen = (0, 0)
 
     def __enter__(self) -> Progress:
-        self._base = self._read()
+        self._base = self._read_now()
         self._thread.start()
         return self.bar
 
@@ -67,6 +83,16 @@ class progress:  # noqa: N801 - used as a context manager, like tqdm
     def _read(self) -> tuple[int, int]:
         totals = metrics(self.client).get("totals", {})
         return int(totals.get("rows_done", 0)), int(totals.get("generated_tokens", 0))
+
+    def _read_now(self) -> tuple[int, int]:
+        """What `_read` will say once every worker has pushed what it has done until now: the
+        workers' own counters (the plugin hears of them a push later, so a block started just
+        after a job would otherwise count that job's last rows as its own), plus the plugin's
+        counts of workers that left."""
+        departed = self.client.run_on_scheduler(_departed)
+        live = self.client.run(_own_counters).values()
+        return (departed.get("rows_done", 0) + sum(rows for rows, _ in live),
+                departed.get("generated_tokens", 0) + sum(tokens for _, tokens in live))
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval):

@@ -123,6 +123,46 @@ def test_map_partitions_equals_one_engine(client: Client, ckpt: Path, reference:
     assert f"{len(good)}/{len(good)} rows (100%)" in log.getvalue().splitlines()[-1]
 
 
+def _rows_done_unpushed(dask_worker: Any, n: int) -> None:
+    """This worker has just finished n more rows, and its pushes leave them out until
+    `_rows_pushed` (the plugin hears of a worker's rows a push later)."""
+    host = dask_worker.extensions[EXTENSION].host
+    host.counters.rows_done += n
+    report = type(host).report
+
+    def late(self: Any = host) -> dict[str, Any]:
+        out = report(self)
+        out["counters"]["rows_done"] -= n
+        return out
+
+    host.report = late
+
+
+def _rows_pushed(dask_worker: Any, undo: int = 0) -> None:
+    host = dask_worker.extensions[EXTENSION].host
+    vars(host).pop("report", None)
+    host.counters.rows_done -= undo
+
+
+def test_progress_leaves_out_rows_done_before_it_started(client: Client) -> None:
+    """Rows the workers finished just before the block, which the plugin hears of a push later,
+    are not the block's: its count starts from the workers' own counters."""
+    before = bc.metrics(client)["totals"]["rows_done"]
+    client.run(_rows_done_unpushed, n=5)
+    log = io.StringIO()
+    try:
+        with bc.progress(client, total=4, mode="lines", file=log, interval=0.05, settle=0.0):
+            client.run(_rows_pushed)
+            deadline = time.monotonic() + 10
+            while bc.metrics(client)["totals"]["rows_done"] < before + 10 and time.monotonic() < deadline:
+                time.sleep(0.05)  # the plugin now counts them
+            time.sleep(0.2)  # and the bar has read it
+        assert bc.metrics(client)["totals"]["rows_done"] == before + 10
+        assert "0/4 rows (0%)" in log.getvalue().splitlines()[-1]
+    finally:
+        client.run(_rows_pushed, undo=5)
+
+
 def _job_rows(dask_worker: Any) -> dict[str, list[int]]:
     return dask_worker.extensions[EXTENSION].host.report()["job_rows"]
 
