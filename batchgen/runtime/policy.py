@@ -5,6 +5,7 @@ cluster simulator and the Dask scheduler plugin all drive this same code.
 """
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -136,7 +137,7 @@ class Scheduler:
         simulator finishes rows of 128 engines' batches this way)."""
         running = self.running
         if positions and (positions[0] < 0 or positions[-1] >= len(running)
-                          or any(b <= a for a, b in zip(positions, positions[1:]))):
+                          or not all(map(operator.lt, positions, positions[1:]))):  # (half a generator's time)
             raise ValueError(f"release_running needs ascending positions in 0..{len(running) - 1}, got {positions}")
         seqs = [running[i] for i in positions]
         for i in reversed(positions):
