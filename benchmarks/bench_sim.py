@@ -32,7 +32,7 @@ import time
 from batchgen.sim.age_isolation import age_isolated_bct
 from batchgen.sim.cluster import ClusterSimConfig
 from batchgen.sim.cost import build_cost
-from batchgen.sim.engine import EngineSimConfig
+from batchgen.sim.engine_config import EngineSimConfig
 from batchgen.sim.oblivious import (
     isolated_bct,
     length_aware_bct,

@@ -43,7 +43,7 @@ def simulate_expert_stage(models: Mapping[str, SimModel], rows_per_model: Mappin
                           seed: int = 0, sample_rows: int = 256) -> dict[str, SimStage]:
     from ..sim.cluster import ClusterSimConfig, simulate
     from ..sim.cost import build_cost
-    from ..sim.engine import EngineSimConfig
+    from ..sim.engine_config import EngineSimConfig
     from ..sim.policies import Static
     from ..sim.profiles import load_profile
     from ..sim.shapes import load_shape

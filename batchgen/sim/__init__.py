@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .cluster import ClusterSimConfig, SimResult, simulate
 from .cost import ExpertTiers, build_cost
-from .engine import EngineSimConfig
+from .engine_config import EngineSimConfig
 from .planner import PlanReport, run_plan
 from .policies import BatchGen, Dynamic, Static
 from .profiles import load_profile

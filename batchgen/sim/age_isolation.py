@@ -17,7 +17,7 @@ import heapq
 import numpy as np
 
 from .cost import CostModel
-from .engine import EngineSimConfig
+from .engine_config import EngineSimConfig
 from .workload import Workload
 
 

@@ -187,7 +187,7 @@ def _setting(given: int | None, measured: object, default: int) -> int:
 
 def run_plan_command(args: argparse.Namespace) -> int:
     from .cluster import ClusterSimConfig
-    from .engine import EngineSimConfig
+    from .engine_config import EngineSimConfig
     from .planner import failed_rows_warning, format_report, run_plan
     from .policies import POLICIES
     from .profiles import FittedProfile

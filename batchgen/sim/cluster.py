@@ -20,7 +20,8 @@ import numpy as np
 from ..errors import PlanError
 from ..policy.balance import EngineLoad, Migration, plan_migrations
 from .cost import CostModel
-from .engine import Arrival, EngineSimConfig, SimEngine
+from .engine import Arrival, SimEngine
+from .engine_config import EngineSimConfig
 from .gc_pace import rare_collections
 from .parallel import run_parallel
 from .partitions import partitioned_engines, rows_as_sequences

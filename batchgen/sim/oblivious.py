@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost import CostModel
-from .engine import EngineSimConfig
+from .engine_config import EngineSimConfig
 from .workload import Workload
 
 

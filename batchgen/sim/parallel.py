@@ -30,7 +30,8 @@ import numpy as np
 from ..errors import PlanError
 from ..policy.balance import CoroutineInfo, EngineLoad, Migration
 from .cost import CostModel
-from .engine import Arrival, EngineSimConfig
+from .engine import Arrival
+from .engine_config import EngineSimConfig
 from .policies import deal
 from .reports import ReportedMovable
 from .shard import EngineResult, Shard

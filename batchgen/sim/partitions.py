@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .cost import CostModel
-from .engine import EngineSimConfig, SimEngine
+from .engine import SimEngine
+from .engine_config import EngineSimConfig
 from .seqs import make_sequence
 from .workload import Workload
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from .cluster import ClusterSimConfig, SimResult, simulate_all
 from .cost import CostModel
-from .engine import EngineSimConfig
+from .engine_config import EngineSimConfig
 from .policies import DEFAULT_POLICIES, Policy
 from .workload import Workload
 

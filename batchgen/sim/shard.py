@@ -18,7 +18,8 @@ import numpy as np
 
 from ..policy.balance import CoroutineInfo, EngineLoad
 from .cost import CostModel
-from .engine import Arrival, EngineSimConfig, SimEngine
+from .engine import Arrival, SimEngine
+from .engine_config import EngineSimConfig
 from .partitions import partitioned_engines, rows_as_sequences
 from .reports import ReportedMovable
 from .workload import Workload

@@ -16,7 +16,7 @@ from batchgen.engine import device_class
 from batchgen.policy.balance import CoroutineInfo, EngineLoad, plan_migrations, relative_speeds
 from batchgen.sim.cluster import ClusterSimConfig, simulate
 from batchgen.sim.cost import build_cost
-from batchgen.sim.engine import EngineSimConfig
+from batchgen.sim.engine_config import EngineSimConfig
 from batchgen.sim.oblivious import oblivious_bct
 from batchgen.sim.policies import BatchGen
 from batchgen.sim.profiles import load_profile

@@ -15,7 +15,8 @@ from batchgen.sim.batch import RunningBatch
 from batchgen.sim.blocks import BlockCounter
 from batchgen.sim.cluster import ClusterSimConfig, simulate_all
 from batchgen.sim.cost import ExpertTiers, build_cost
-from batchgen.sim.engine import EngineSimConfig, SimEngine
+from batchgen.sim.engine import SimEngine
+from batchgen.sim.engine_config import EngineSimConfig
 from batchgen.sim.gc_pace import YOUNG_THRESHOLD, rare_collections
 from batchgen.sim.policies import BatchGen, Dynamic, Static
 from batchgen.sim.profiles import load_profile

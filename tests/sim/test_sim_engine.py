@@ -16,7 +16,8 @@ from batchgen.sim import cluster as sim_cluster
 from batchgen.sim import engine as sim_engine
 from batchgen.sim import reports as sim_reports
 from batchgen.sim.cost import build_cost
-from batchgen.sim.engine import EngineSimConfig, SimEngine
+from batchgen.sim.engine import SimEngine
+from batchgen.sim.engine_config import EngineSimConfig
 from batchgen.sim.profiles import load_profile
 from batchgen.sim.seqs import make_sequence
 from batchgen.sim.shapes import load_shape

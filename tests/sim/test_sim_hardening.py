@@ -11,7 +11,7 @@ import pytest
 from batchgen.cli import main
 from batchgen.sim.cluster import ClusterSimConfig
 from batchgen.sim.cost import build_cost
-from batchgen.sim.engine import EngineSimConfig
+from batchgen.sim.engine_config import EngineSimConfig
 from batchgen.sim.planner import ideal_bound, run_plan
 from batchgen.sim.profiles import FittedProfile, load_profile
 from batchgen.sim.shapes import load_shape

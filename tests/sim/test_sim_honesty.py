@@ -21,7 +21,7 @@ from batchgen.policy.balance import BalanceConfig
 from batchgen.sim.calibrate import calibrate
 from batchgen.sim.cluster import ClusterSimConfig, simulate
 from batchgen.sim.cost import FittedCost
-from batchgen.sim.engine import EngineSimConfig
+from batchgen.sim.engine_config import EngineSimConfig
 from batchgen.sim.policies import BatchGen
 from batchgen.sim.profiles import FittedProfile
 from batchgen.sim.workload import Workload

@@ -13,7 +13,8 @@ from batchgen.runtime.policy import Scheduler, SchedulerConfig
 from batchgen.sim import engine as sim_engine
 from batchgen.sim.cluster import ClusterSimConfig, simulate_all
 from batchgen.sim.cost import build_cost
-from batchgen.sim.engine import EngineSimConfig, SimEngine
+from batchgen.sim.engine import SimEngine
+from batchgen.sim.engine_config import EngineSimConfig
 from batchgen.sim.partitions import rows_as_sequences
 from batchgen.sim.policies import LENGTH_AWARE, BatchGen
 from batchgen.sim.profiles import load_profile

@@ -8,7 +8,7 @@ import pytest
 from batchgen.errors import PlanError
 from batchgen.sim.cluster import ClusterSimConfig, simulate, simulate_all
 from batchgen.sim.cost import build_cost
-from batchgen.sim.engine import EngineSimConfig
+from batchgen.sim.engine_config import EngineSimConfig
 from batchgen.sim.policies import DEFAULT_POLICIES, BatchGen, Dynamic, Static
 from batchgen.sim.profiles import load_profile
 from batchgen.sim.shapes import load_shape

@@ -16,7 +16,7 @@ from batchgen.errors import PlanError
 from batchgen.sim import cluster as sim_cluster
 from batchgen.sim.cluster import PLUGIN_COOLDOWN_S, ClusterSimConfig, simulate
 from batchgen.sim.cost import ExpertTiers, build_cost, experts_touched
-from batchgen.sim.engine import EngineSimConfig
+from batchgen.sim.engine_config import EngineSimConfig
 from batchgen.sim.planner import ideal_bound, run_plan
 from batchgen.sim.policies import DEFAULT_POLICIES, BatchGen
 from batchgen.sim.profiles import BUILTIN_PROFILES, GpuProfile, load_profile
