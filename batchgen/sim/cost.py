@@ -91,15 +91,18 @@ class RooflineCost:
     per_tokens: tuple[np.ndarray, np.ndarray, np.ndarray] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "per_tokens", self._count_terms(np.arange(TOUCHED_TABLE_SIZE)))
+
+    def _count_terms(self, tokens: ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The terms of a forward that depend on its token count alone: (bytes read besides the
+        KV, seconds fetching experts, FLOPs of the parameters)."""
         g, s = self.gpu, self.shape
-        counts = np.arange(TOUCHED_TABLE_SIZE)
-        touched = s.num_moe_layers * experts_touched(counts, s.num_experts, s.top_k) * s.expert_bytes
+        touched = s.num_moe_layers * experts_touched(tokens, s.num_experts, s.top_k) * s.expert_bytes
         base = s.dense_bytes + touched * self.resident_fraction
         # Fetched experts are counted serially: a prefetcher hides part of it, which this omits.
         fetch = touched * (self.host_fraction / g.pcie_bytes_per_s
                            + (1.0 - self.resident_fraction - self.host_fraction) / max(g.disk_bytes_per_s, 1.0))
-        param_flops = 2.0 * counts.astype(np.float64) * s.active_params_per_token
-        object.__setattr__(self, "per_tokens", (base, fetch, param_flops))
+        return base, fetch, 2.0 * np.asarray(tokens, dtype=np.float64) * s.active_params_per_token
 
     @classmethod
     def build(cls, gpu: GpuProfile, shape: ModelShape, tiers: ExpertTiers = ExpertTiers(),
@@ -139,23 +142,14 @@ class RooflineCost:
             return self._one_step_seconds(tokens, kv_tokens, float(attn_pairs))  # type: ignore[arg-type]
         raw = np.asarray(tokens)
         if raw.dtype.kind in "iu" and raw.size and 0 <= raw.min() and raw.max() < TOUCHED_TABLE_SIZE:
-            # integer token counts (every decode slice): the terms of the count looked up, the
-            # same values as the expressions below
-            base, fetched, param_flops = self.per_tokens
-            read = base[raw] + np.asarray(kv_tokens) * s.kv_bytes_per_token
-            flops = param_flops[raw] + s.attn_flops_per_pair * np.asarray(attn_pairs, dtype=np.float64)
-            device = np.maximum(flops / (g.peak_flops * g.compute_efficiency),
-                                read / (g.hbm_bytes_per_s * g.memory_efficiency))
-            return g.step_overhead_s + device + fetched[raw]
-        t = np.asarray(tokens, dtype=np.float64)
-        touched = s.num_moe_layers * experts_touched(tokens, s.num_experts, s.top_k) * s.expert_bytes
-        read = s.dense_bytes + touched * self.resident_fraction + np.asarray(kv_tokens) * s.kv_bytes_per_token
-        flops = 2.0 * t * s.active_params_per_token + s.attn_flops_per_pair * np.asarray(attn_pairs, dtype=np.float64)
+            # integer token counts (every decode slice): the count's terms looked up
+            base, fetched, param_flops = (terms[raw] for terms in self.per_tokens)
+        else:
+            base, fetched, param_flops = self._count_terms(tokens)
+        read = base + np.asarray(kv_tokens) * s.kv_bytes_per_token
+        flops = param_flops + s.attn_flops_per_pair * np.asarray(attn_pairs, dtype=np.float64)
         device = np.maximum(flops / (g.peak_flops * g.compute_efficiency), read / (g.hbm_bytes_per_s * g.memory_efficiency))
-        # Fetched experts are counted serially: a prefetcher hides part of it, which this omits.
-        fetch = touched * (self.host_fraction / g.pcie_bytes_per_s
-                           + (1.0 - self.resident_fraction - self.host_fraction) / max(g.disk_bytes_per_s, 1.0))
-        return g.step_overhead_s + device + fetch
+        return g.step_overhead_s + device + fetched
 
     def _one_step_seconds(self, tokens: int, kv_tokens: int, attn_pairs: float) -> float:
         """step_seconds of one forward in Python floats: the same operations in the same order,

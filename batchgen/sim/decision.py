@@ -28,7 +28,7 @@ def schedule_batch(batch: RunningBatch, scheduler: Scheduler, lookahead: int,
                 gone = list(range(len(batch) - 1, keep - 1, -1))
                 batch.sync(gone)
                 plan.evicted = [scheduler.evict(batch.seqs[i], "evict:kv-pool-full") for i in gone]
-                batch.drop(list(range(keep, len(batch))))
+                batch.drop(gone[::-1])
                 fed, need = fed[:keep], need[:keep]
             alloc.take(int(need.sum()))
             batch.blocks = batch.blocks + need

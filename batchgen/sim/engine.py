@@ -325,22 +325,6 @@ class SimEngine:
         b = self.batch
         return len(b) < self.config.max_num_batched_tokens or bool((b.computed + 1 == b.prompt + b.out).all())
 
-    def _finish_all(self, rows: list[int]) -> None:
-        """The batch's rows at `rows` (ascending), which reached where they stop, finish and give
-        their seats and blocks back (the batch keeps them: the caller drops them)."""
-        seqs, running = self.batch.seqs, self.scheduler.running
-        for i in rows:
-            seq = seqs[i]
-            if running[i] is not seq:  # (a pointer comparison: the batch mirrors the running list)
-                raise AssertionError(f"{self.name}: the batch's row {i} is not the scheduler's")
-            p: SimRequest = seq.params
-            n = len(seq.output_ids)
-            if n < p.output_len and n < p.max_tokens:
-                raise AssertionError(f"{self.name}: row {seq.seq_id} stopped before its end")
-            seq.finish("stop" if n < p.max_tokens else "length")
-            self.finished.append((int(seq.request_index), self.now))
-        self.scheduler.release_running(rows)  # (the batch's positions are the running list's)
-
     def _step(self, fed: IntArray, scheduled: np.ndarray | None, plan: Plan, extra_s: float) -> None:
         """One forward as planned (prefill chunks, swap-ins, a partial batch)."""
         for seq in plan.swapped_in:
@@ -362,13 +346,26 @@ class SimEngine:
         self._finish_rows(np.flatnonzero(sampled & (state[OUT] >= state[STOP_AT])))
 
     def _finish_rows(self, rows: IntArray) -> None:
-        """The batch's rows at `rows` reached where they stop: they finish and leave."""
+        """The batch's rows at `rows` reached where they stop: they finish, give their seats and
+        blocks back, and leave the batch."""
         if not len(rows):
             return
         index = rows.tolist()
-        self.batch.sync(index, finishing=True)
-        self._finish_all(index)
-        self.batch.drop(index)
+        b = self.batch
+        b.sync(index, finishing=True)
+        seqs, running = b.seqs, self.scheduler.running
+        for i in index:
+            seq = seqs[i]
+            if running[i] is not seq:  # (a pointer comparison: the batch mirrors the running list)
+                raise AssertionError(f"{self.name}: the batch's row {i} is not the scheduler's")
+            p: SimRequest = seq.params
+            n = len(seq.output_ids)
+            if n < p.output_len and n < p.max_tokens:
+                raise AssertionError(f"{self.name}: row {seq.seq_id} stopped before its end")
+            seq.finish("stop" if n < p.max_tokens else "length")
+            self.finished.append((int(seq.request_index), self.now))
+        self.scheduler.release_running(index)  # (the batch's positions are the running list's)
+        b.drop(index)
 
     def _decode(self, extra_s: float) -> DecodeSlice:
         """k >= 1 decode steps of the whole batch in closed form (see the module docstring)."""

@@ -1,10 +1,11 @@
 """Python's cyclic garbage collector, run less often while a fleet is simulated.
 
-A simulated fleet keeps every row of its workload alive as a `Sequence` (with its lists) until
-the run ends: 100k to millions of objects. At the default thresholds (a young-generation pass
-every 700 allocations, older passes every 10 of those) the collector walked them over and over:
-dynamic's 100k-row plan in one process took 12.2 s of CPU with them and 10.4 s without. The simulation makes few reference cycles (about a thousand
-objects collected a run), and a pass every 100,000 allocations still collects them.
+A simulated fleet holds its workload's rows as `Sequence` objects (with their lists), most of
+them from the start (a partition waits whole in its engine): 100k to millions of objects. At the
+default thresholds (a young-generation pass every 700 allocations, older passes every 10 of
+those) the collector walked them over and over: dynamic's 100k-row plan in one process took
+12.2 s of CPU with them and 10.4 s without. The simulation makes few reference cycles (about a
+thousand objects collected a run), and a pass every 100,000 allocations still collects them.
 """
 from __future__ import annotations
 

@@ -28,6 +28,11 @@ def partitioned_engines(names: list[str], parts: list[np.ndarray], workload: Wor
     """One engine per name, each given its partition's rows (static and batchgen start so)."""
     engines = [SimEngine(name, cost, config) for name in names]
     for e, part in zip(engines, parts):
-        for seq in rows_as_sequences(workload, part):
-            e.add(seq)
+        give_rows(e, workload, part)
     return engines
+
+
+def give_rows(engine: SimEngine, workload: Workload, rows: np.ndarray) -> None:
+    """`engine` gets the workload's `rows` at time 0, in order (a partition, as a task hands it over)."""
+    for seq in rows_as_sequences(workload, rows):
+        engine.add(seq)

@@ -20,7 +20,7 @@ from ..policy.balance import CoroutineInfo, EngineLoad
 from .cost import CostModel
 from .engine import Arrival, SimEngine
 from .engine_config import EngineSimConfig
-from .partitions import partitioned_engines, rows_as_sequences
+from .partitions import give_rows, partitioned_engines, rows_as_sequences
 from .reports import ReportedMovable
 from .workload import Workload
 
@@ -126,8 +126,7 @@ class Shard:
     def _fill(self, i: int) -> None:
         """Static's engine i gets its partition's rows (as partitioned_engines gives them)."""
         e = self.fleets["static"][i]
-        for seq in rows_as_sequences(self.workload, self._unfilled.pop(i)):
-            e.add(seq)
+        give_rows(e, self.workload, self._unfilled.pop(i))
         e.sealed = True  # static's engines never get more rows
 
     def finish(self) -> None:

@@ -100,23 +100,20 @@ class DecodeSlice:
         return alive, remaining, taken, functools.partial(self._rows, j)
 
     def _rows(self, j: int) -> np.ndarray:
-        assert self._reported is not None
-        ids, max_tokens = self._reported.ids, self._reported.max_tokens
         alive = self.left > j
-        return np.stack([ids[alive], max_tokens[alive] - self.out0[alive] - j, self.c0[alive] + j], axis=1)
+        return np.stack([self.ids[alive], self.max_tokens[alive] - self.out0[alive] - j, self.c0[alive] + j], axis=1)
 
 
 class _Sorted:
     """A slice's rows sorted by the steps they have left, with the sums a report needs: the
     rows finished after j steps are a prefix of this order."""
 
-    __slots__ = ("ids", "max_tokens", "lack_at_0", "remaining_suffix", "have_prefix")
+    __slots__ = ("lack_at_0", "remaining_suffix", "have_prefix")
 
     def __init__(self, piece: DecodeSlice) -> None:
-        self.ids, self.max_tokens = piece.ids, piece.max_tokens
         order = np.argsort(piece.left, kind="stable")
         have = piece.have[order]
         self.lack_at_0 = piece.block_size - 1 - (have * piece.block_size - piece.c0[order])  # (minus room)
-        rest = (self.max_tokens - piece.out0)[order]
+        rest = (piece.max_tokens - piece.out0)[order]
         self.remaining_suffix = np.concatenate([np.cumsum(rest[::-1])[::-1], [0]])
         self.have_prefix = np.concatenate([[0], np.cumsum(have)])
