@@ -23,14 +23,18 @@ from .errors import CpuKernelUnavailableError, KernelInputError
 # Rows (per expert) up to which the kernels beat sgemm (torch._grouped_mm, F.linear). They win
 # by reading weights at the memory's rate, so the limit depends on whether the weights come from
 # memory at all. Measured with bench_small_experts.py on 2 AVX2 cores, 8 experts:
-# - 1024 x 1024 (12 MiB an expert): two threads 1.4-2.5x at 1-32 rows, 1.3x at 48, 0.9x at 96;
-#   one thread 1.2-1.7x at 4-32 rows, level at 48 (sgemm's second thread adds little here);
+# - 1024 x 1024 (12 MiB an expert), with the next weight rows prefetched: two threads 1.5-3.6x
+#   at 1-32 rows, 1.4-1.8x at 48-96, 1.2-1.4x at 128, level at 192; one thread 1.1-1.4x at
+#   16-32 rows, level at 48-64, 0.85x at 96-128 (sgemm's second thread adds little here);
+# - 256 x 512 (1.5 MiB an expert): two threads 1.3-2.2x at 8-128 rows;
+# - dense 1024 x 1024 and 1536 x 1024 (F.linear), two threads: 1.2-1.6x at 32-128 rows, level
+#   at 192, 0.85x at 256;
 # - 128 x 128 (192 KiB an expert, in cache): one thread 1.05-1.1x at 1-8 rows, 0.6-0.7x at 16-32,
 #   so weights that fit in cache keep sgemm (and the results it gave before).
 SMALL_ROWS_ONE_THREAD = 32
-SMALL_ROWS_THREADS = 48
+SMALL_ROWS_THREADS = 128
 IN_CACHE_BYTES = 1 << 20  # weights of one product below this are taken as read from cache
-_MAX_ROWS = 64  # the kernel's kMaxRows
+_MAX_ROWS = 128  # the kernel's kMaxRows
 
 
 def small_rows_limit(threads: int, weight_bytes: int) -> int:
@@ -86,7 +90,7 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_small_rows_cpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K] fp32 (unit last stride), M <= 64; w: [Nout, K]; bias: [Nout] or None -> x w^T + bias."""
+    """x: [M, K] fp32 (unit last stride), M <= 128; w: [Nout, K]; bias: [Nout] or None -> x w^T + bias."""
     lib = _library()
     _check_fp32(w=w, **({"bias": bias} if bias is not None else {}))
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
@@ -102,7 +106,7 @@ def linear_small_rows_cpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
 
 
 def _linear(lib: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel call on checked operands (x [M, K], 0 < M <= 64, unit last stride; w [Nout, K]
+    """The kernel call on checked operands (x [M, K], 0 < M <= 128, unit last stride; w [Nout, K]
     contiguous; bias [Nout] contiguous or None; all CPU fp32)."""
     M, K = x.shape
     y = torch.empty(M, w.shape[0], dtype=torch.float32)
@@ -115,7 +119,7 @@ def moe_small_rows_cpu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
                        take: torch.Tensor, out: torch.Tensor) -> None:
     """rows: [R, K] fp32, grouped by expert (counts [E] rows each, in expert order); w13:
     [E, 2N, K]; w2: [E, K, N]; take: [E] bool. Writes silu(x gate^T) * (x up^T) @ w2^T into
-    out [R, K] for the rows of the experts taken (at most 64 rows each); other rows are left."""
+    out [R, K] for the rows of the experts taken (at most 128 rows each); other rows are left."""
     lib = _library()
     E, K, N = w2.shape
     _check_fp32(rows=rows, w13=w13, w2=w2, out=out)
