@@ -136,3 +136,28 @@ def moe_small_rows_cpu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     if lib.batchgen_moe_small_rows(torch.get_num_threads(), rows.data_ptr(), w13.data_ptr(), w2.data_ptr(),
                                    starts.data_ptr(), take8.data_ptr(), h.data_ptr(), out.data_ptr(), E, K, N):
         raise KernelInputError(f"an expert taken has more than {_MAX_ROWS} rows")
+
+
+def moe_routed_small_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                              topk_ids: torch.Tensor, max_rows: int) -> torch.Tensor | None:
+    """The whole routed expert layer in one kernel call: x [T, K] fp32; w13 [E, 2N, K]; w2
+    [E, K, N]; topk_weights [T, A] fp32; topk_ids [T, A] int64 (outside [0, E): unrouted) ->
+    [T, K], the floats the grouped path gives with every expert through the kernel (slots sorted
+    stably by expert, each weighted, summed over A in order). None, with nothing computed, when
+    an expert has more than max_rows rows (at most 128)."""
+    lib = _library()
+    E, K, N = w2.shape
+    _check_fp32(x=x, w13=w13, w2=w2, topk_weights=topk_weights)
+    T, A = topk_ids.shape
+    if x.shape != (T, K) or w13.shape != (E, 2 * N, K) or topk_weights.shape != (T, A):
+        raise KernelInputError(f"x must be [{T}, {K}], w13 [{E}, {2 * N}, {K}] and topk_weights [{T}, {A}], got "
+                               f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(topk_weights.shape)}")
+    if topk_ids.dtype != torch.int64 or topk_ids.device.type != "cpu" or not topk_ids.is_contiguous():
+        raise KernelInputError(f"topk_ids must be a contiguous CPU int64 tensor, got {topk_ids.dtype} on "
+                               f"{topk_ids.device}")
+    out = torch.empty(T, K, dtype=torch.float32)
+    if lib.batchgen_moe_routed_small_rows(torch.get_num_threads(), x.data_ptr(), T, A, topk_ids.data_ptr(),
+                                          topk_weights.data_ptr(), w13.data_ptr(), w2.data_ptr(), E, K, N,
+                                          min(max_rows, _MAX_ROWS), out.data_ptr()):
+        return None
+    return out

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_moe_inputs
-from .cpu_small_rows import expert_rows_limit, moe_small_rows_cpu, small_rows_enabled
+from .cpu_small_rows import expert_rows_limit, moe_routed_small_rows_cpu, moe_small_rows_cpu, small_rows_enabled
 from .reference import check_slot_out, fused_moe_reference_into, sort_slots_by_expert, sum_over_choices
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,8 +45,29 @@ def fused_moe_grouped(
 ) -> torch.Tensor:
     """x: [T, K]; w13: [E, 2N, K]; w2: [E, K, N]; topk_weights: [T, A]; topk_ids: [T, A] -> [T, K].
 
-    `fused_moe_reference`'s result, computed with two grouped GEMMs."""
+    `fused_moe_reference`'s result, computed with two grouped GEMMs. When every expert with rows
+    takes the small-row kernel (the decode tail), the whole layer is one kernel call instead:
+    the same floats, without the ~25 operators around the kernel."""
+    limit = _routed_kernel_limit(x, w13, w2, topk_weights, topk_ids)
+    # more slots than experts x limit: some expert is over the limit for sure (a prompt's chunk)
+    if limit > 0 and x.shape[0] * topk_ids.shape[1] <= w13.shape[0] * limit:
+        out = moe_routed_small_rows_cpu(x, w13, w2, topk_weights.contiguous(), topk_ids.contiguous(), limit)
+        if out is not None:
+            return out
     return sum_over_choices(fused_moe_grouped_into, x, w13, w2, topk_weights, topk_ids)
+
+
+def _routed_kernel_limit(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor) -> int:
+    """Rows per expert up to which the one-call kernel takes these operands (fp32 on CPU, where
+    the grouped path would send such experts to the kernel too); 0 where it takes none. Checked
+    on attributes only, no tensor operator."""
+    f32 = torch.float32
+    if not (x.dtype is f32 and w13.dtype is f32 and w2.dtype is f32 and topk_weights.dtype is f32
+            and topk_ids.dtype is torch.int64 and x.device.type == "cpu" and x.dim() == 2 and topk_ids.dim() == 2
+            and x.is_contiguous() and grouped_mm_supported(x, w13, w2) and small_rows_enabled()):
+        return 0
+    return expert_rows_limit(w13, w2)
 
 
 def fused_moe_grouped_into(

@@ -13,6 +13,15 @@
 // h: [R, N] scratch; y: [R, K]. h = silu(x w_gate^T) * (x w_up^T), y = h w2^T, for the experts
 // flagged in `take`; all experts' rows are split over the threads at once.
 //
+// batchgen_moe_routed_small_rows: the whole routed layer in one call, for the decode tail, where
+// the ~25 torch operators around the kernel (sort the slots by expert, gather, weight, scatter,
+// sum over the choices) cost more than the kernel itself at a few rows. x: [T, K]; ids, weights:
+// [T, A] (int64 expert per choice, outside [0, E): unrouted; fp32 weight); out: [T, K] =
+// sum over a of weights[t, a] * expert(ids[t, a]) applied to x[t]. The slots are ordered by
+// expert and, within one, by slot (a stable sort, as the grouped path's argsort); each slot's
+// output is rounded times its weight, then the choices are summed in order from zero, as that
+// path's slot sum: the same floats as the kernel called through it.
+//
 // batchgen_linear_small_rows: x: [M, K] (row stride ldx), w: [Nout, K], bias: [Nout] or null;
 // y: [M, Nout] = x w^T + bias.
 //
@@ -20,6 +29,7 @@
 // other rows: a row's result is the same whatever it is batched with.
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -117,35 +127,10 @@ constexpr int kBlock = 16;    // weight rows per work item
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
-}  // namespace
-
-extern "C" {
-
-int32_t batchgen_abi_version() { return 1; }
-
-// Returns 0, or 1 when m is outside [1, kMaxRows] (nothing written).
-int32_t batchgen_linear_small_rows(int32_t num_threads, const float* x, int64_t ldx, const float* w, const float* bias,
-                                   float* y, int32_t m, int32_t k_len, int32_t n_out) {
-  if (m < 1 || m > kMaxRows) return 1;
-  const int64_t items = (n_out + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && items > 1)
-  for (int64_t item = 0; item < items; ++item) {
-    const int c0 = static_cast<int>(item) * kBlock;
-    const int n = c0 + kBlock < n_out ? kBlock : n_out - c0;
-    block_dots(x, ldx, m, w + static_cast<int64_t>(c0) * k_len, k_len, n, y + c0, n_out);
-    if (bias)
-      for (int i = 0; i < m; ++i)
-        for (int c = c0; c < c0 + n; ++c) y[static_cast<int64_t>(i) * n_out + c] += bias[c];
-  }
-  return 0;
-}
-
-// Returns 0, or 1 when an expert flagged in `take` has more than kMaxRows rows (nothing written).
-int32_t batchgen_moe_small_rows(int32_t num_threads, const float* x, const float* w13, const float* w2,
-                                const int64_t* starts, const uint8_t* take, float* h, float* y, int32_t num_experts,
-                                int32_t k_len, int32_t n_len) {
-  for (int e = 0; e < num_experts; ++e)
-    if (take[e] && starts[e + 1] - starts[e] > kMaxRows) return 1;
+// h = silu(x gate^T) * (x up^T), y = h w2^T for the rows of the experts flagged in `take`
+// (starts[e]..starts[e + 1], at most kMaxRows each): all experts' rows split over the threads at once.
+void moe_rows(int32_t num_threads, const float* x, const float* w13, const float* w2, const int64_t* starts,
+              const uint8_t* take, float* h, float* y, int32_t num_experts, int32_t k_len, int32_t n_len) {
   const int n_blocks = (n_len + kBlock - 1) / kBlock, k_blocks = (k_len + kBlock - 1) / kBlock;
   // work items: (expert, block of weight rows) for the experts taken that have rows
   int64_t items1 = 0, items2 = 0;
@@ -183,6 +168,86 @@ int32_t batchgen_moe_small_rows(int32_t num_threads, const float* x, const float
     }
   }
   delete[] experts;
+}
+
+// out[k] = sum over a of y[pos[a]][k] * weights[a] (0 where pos[a] < 0), from zero in choice
+// order, each product rounded before it is added (no fused multiply-add): torch's mul_ then sum.
+__attribute__((optimize("fp-contract=off"))) void sum_choices(const float* y, const int64_t* pos,
+                                                               const float* weights, int num_choices, int k_len,
+                                                               float* out) {
+  for (int k = 0; k < k_len; ++k) {
+    float sum = 0.f;
+    for (int a = 0; a < num_choices; ++a) sum += pos[a] >= 0 ? y[pos[a] * k_len + k] * weights[a] : 0.f;
+    out[k] = sum;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t batchgen_abi_version() { return 1; }
+
+// Returns 0, or 1 when m is outside [1, kMaxRows] (nothing written).
+int32_t batchgen_linear_small_rows(int32_t num_threads, const float* x, int64_t ldx, const float* w, const float* bias,
+                                   float* y, int32_t m, int32_t k_len, int32_t n_out) {
+  if (m < 1 || m > kMaxRows) return 1;
+  const int64_t items = (n_out + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && items > 1)
+  for (int64_t item = 0; item < items; ++item) {
+    const int c0 = static_cast<int>(item) * kBlock;
+    const int n = c0 + kBlock < n_out ? kBlock : n_out - c0;
+    block_dots(x, ldx, m, w + static_cast<int64_t>(c0) * k_len, k_len, n, y + c0, n_out);
+    if (bias)
+      for (int i = 0; i < m; ++i)
+        for (int c = c0; c < c0 + n; ++c) y[static_cast<int64_t>(i) * n_out + c] += bias[c];
+  }
+  return 0;
+}
+
+// Returns 0, or 1 when an expert flagged in `take` has more than kMaxRows rows (nothing written).
+int32_t batchgen_moe_small_rows(int32_t num_threads, const float* x, const float* w13, const float* w2,
+                                const int64_t* starts, const uint8_t* take, float* h, float* y, int32_t num_experts,
+                                int32_t k_len, int32_t n_len) {
+  for (int e = 0; e < num_experts; ++e)
+    if (take[e] && starts[e + 1] - starts[e] > kMaxRows) return 1;
+  moe_rows(num_threads, x, w13, w2, starts, take, h, y, num_experts, k_len, n_len);
+  return 0;
+}
+
+// Returns 0, or 1 when an expert has more than max_rows (or kMaxRows) rows (nothing written).
+int32_t batchgen_moe_routed_small_rows(int32_t num_threads, const float* x, int64_t num_tokens, int32_t num_choices,
+                                       const int64_t* ids, const float* weights, const float* w13, const float* w2,
+                                       int32_t num_experts, int32_t k_len, int32_t n_len, int32_t max_rows,
+                                       float* out) {
+  const int64_t slots = num_tokens * num_choices;
+  const int64_t limit = max_rows < kMaxRows ? max_rows : kMaxRows;
+  std::vector<int64_t> starts(num_experts + 1, 0);
+  for (int64_t s = 0; s < slots; ++s)
+    if (ids[s] >= 0 && ids[s] < num_experts) ++starts[ids[s] + 1];
+  for (int e = 0; e < num_experts; ++e) {
+    if (starts[e + 1] > limit) return 1;
+    starts[e + 1] += starts[e];
+  }
+  const int64_t routed = starts[num_experts];
+  std::vector<int64_t> pos(slots, -1), fill(starts.begin(), starts.end() - 1);
+  for (int64_t s = 0; s < slots; ++s)
+    if (ids[s] >= 0 && ids[s] < num_experts) pos[s] = fill[ids[s]]++;
+  std::vector<float> rows(routed * k_len), h(routed * n_len), y(routed * k_len);
+  std::vector<uint8_t> take(num_experts);
+  for (int e = 0; e < num_experts; ++e) take[e] = starts[e + 1] > starts[e];
+  const bool parallel = num_threads > 1 && slots * k_len >= (1 << 15);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
+  for (int64_t s = 0; s < slots; ++s)
+    if (pos[s] >= 0)
+      for (int k = 0; k < k_len; ++k) rows[pos[s] * k_len + k] = x[(s / num_choices) * k_len + k];
+  if (routed > 0)
+    moe_rows(num_threads, rows.data(), w13, w2, starts.data(), take.data(), h.data(), y.data(), num_experts, k_len,
+             n_len);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
+  for (int64_t t = 0; t < num_tokens; ++t)
+    sum_choices(y.data(), pos.data() + t * num_choices, weights + t * num_choices, num_choices, k_len,
+                out + t * k_len);
   return 0;
 }
 

@@ -8,16 +8,18 @@ import torch
 import torch.nn.functional as F
 from test_kernels import make_inputs
 
-from batchgen_kernels import KernelInputError, fused_moe_grouped, fused_moe_reference
+from batchgen_kernels import KernelInputError, fused_moe_grouped, fused_moe_grouped_into, fused_moe_reference
 from batchgen_kernels.cpu_small_rows import (
     cpu_small_rows_available,
     expert_rows_limit,
     linear_rows,
     linear_small_rows_cpu,
+    moe_routed_small_rows_cpu,
     moe_small_rows_cpu,
     small_rows_enabled,
     small_rows_limit,
 )
+from batchgen_kernels.reference import sum_over_choices
 
 pytestmark = pytest.mark.skipif(not cpu_small_rows_available(), reason="the CPU small-row kernels do not build here")
 TOL = 1e-5  # relative to the output's largest entry: fp32 sums in another order
@@ -84,6 +86,38 @@ def test_bad_inputs_are_refused_with_the_argument_named() -> None:
         moe_small_rows_cpu(torch.randn(3, 32).double(), w13, w2, torch.tensor([1, 2]), take, torch.empty(3, 32))
     with pytest.raises(KernelInputError, match="counts must sum to 3"):
         moe_small_rows_cpu(torch.randn(3, 32), w13, w2, torch.tensor([1, 1]), take, torch.empty(3, 32))
+
+
+@pytest.mark.parametrize(("T", "E", "A"), [(1, 8, 1), (1, 8, 2), (17, 8, 2), (40, 6, 3), (100, 16, 8)])
+def test_one_call_layer_gives_the_grouped_paths_floats(monkeypatch: pytest.MonkeyPatch, T: int, E: int, A: int) -> None:
+    """Every expert with few rows: fused_moe_grouped is one kernel call (gather, experts, weights,
+    sum over the choices), bit for bit the grouped path's operators around the same kernel, with
+    unrouted slots (ids -1 and past E) contributing nothing."""
+    from batchgen_kernels import grouped_moe
+
+    x, w13, w2, tw, ids = make_inputs(T, E, A, K=256, N=512, seed=T + A)  # 1.5 MiB an expert: read from memory
+    if T > 2:
+        ids[0, 0], ids[2, A - 1] = -1, E + 3
+    ran: list[int] = []
+    real = grouped_moe.moe_routed_small_rows_cpu
+    monkeypatch.setattr(grouped_moe, "moe_routed_small_rows_cpu", lambda *a: ran.append(1) or real(*a))
+    got = fused_moe_grouped(x, w13, w2, tw, ids)
+    assert ran == [1]
+    assert torch.equal(got, sum_over_choices(fused_moe_grouped_into, x, w13, w2, tw, ids))
+    want = fused_moe_reference(x, w13, w2, tw, ids)
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+
+
+def test_one_call_layer_declines_an_expert_over_the_limit() -> None:
+    x, w13, w2, tw, _ = make_inputs(6, 4, 1, K=256, N=512, seed=12)
+    ids = torch.tensor([[1], [1], [1], [1], [2], [3]])
+    assert moe_routed_small_rows_cpu(x, w13, w2, tw, ids, max_rows=3) is None  # expert 1 has 4 rows
+    got = moe_routed_small_rows_cpu(x, w13, w2, tw, ids, max_rows=4)
+    assert got is not None and torch.equal(got, sum_over_choices(fused_moe_grouped_into, x, w13, w2, tw, ids))
+    with pytest.raises(KernelInputError, match="topk_ids must be a contiguous CPU int64"):
+        moe_routed_small_rows_cpu(x, w13, w2, tw, ids.int(), max_rows=4)
+    with pytest.raises(KernelInputError, match="topk_weights must be a contiguous CPU float32"):
+        moe_routed_small_rows_cpu(x, w13, w2, tw.double(), ids, max_rows=4)
 
 
 @pytest.mark.parametrize(("T", "E", "A"), [(1, 8, 2), (20, 8, 2), (700, 5, 2)])
@@ -210,16 +244,20 @@ def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
 
     monkeypatch.setattr(cpu_small_rows, "IN_CACHE_BYTES", 0)
     calls: list[str] = []
-    for name in ("_linear", "moe_small_rows_cpu"):
+    for name in ("_linear", "moe_small_rows_cpu", "moe_routed_small_rows_cpu"):
         real = getattr(cpu_small_rows, name)
         monkeypatch.setattr(cpu_small_rows, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     import batchgen_kernels.grouped_moe as grouped_moe
 
     monkeypatch.setattr(grouped_moe, "moe_small_rows_cpu", cpu_small_rows.moe_small_rows_cpu)
+    monkeypatch.setattr(grouped_moe, "moe_routed_small_rows_cpu", cpu_small_rows.moe_routed_small_rows_cpu)
     model_dir = checkpoint_factory(family)
     prompts = prompt_ids[:4]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = Engine(model_dir, dtype="float32", device="cpu").generate(prompts, params)
-    assert set(calls) == ({"_linear"} if family == "llama" else {"_linear", "moe_small_rows_cpu"})
+    if family == "llama":
+        assert set(calls) == {"_linear"}
+    else:  # every expert layer here has few rows: one kernel call each
+        assert set(calls) == {"_linear", "moe_routed_small_rows_cpu"}
     assert [o.token_ids for o in outs] == [tiny_models.reference_generate(model_dir, p, 8, ignore_eos=True)
                                            for p in prompts]
