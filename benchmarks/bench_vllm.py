@@ -28,6 +28,7 @@ time against a large fp32 GEMM on the same threads (and bf16 where the CPU has A
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -45,8 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"
 from bench_engine import run_batchgen, workload  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
-# profiler ranges around the small-row kernels (ctypes calls, which the profiler does not see)
-SMALL_ROWS_RANGES = {"moe_small_rows_cpu": "batchgen::moe_small_rows", "linear_small_rows_cpu": "batchgen::linear_small_rows"}
+# profiler ranges around the compiled CPU kernels (ctypes calls, which the profiler does not
+# see), by the module that calls each and the name it calls it by
+KERNEL_RANGES = {
+    ("batchgen_kernels.grouped_moe", "moe_small_rows_cpu"): "batchgen::moe_small_rows",
+    ("batchgen_kernels.grouped_moe", "moe_routed_small_rows_cpu"): "batchgen::moe_small_rows",
+    ("batchgen_kernels.cpu_small_rows", "linear_small_rows_unchecked"): "batchgen::linear_small_rows",
+    ("batchgen.models.cuda_decode", "paged_attention_gqa_cpu"): "batchgen::paged_decode_attention",
+    ("batchgen.models.attention", "rope_kv_write_cpu"): "batchgen::rope_kv_write",
+}
 SHAPES = {
     "small": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
                   num_key_value_heads=4),
@@ -186,23 +194,23 @@ def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
         # torch's CPU _grouped_mm runs one aten::mm per expert: those mm calls are counted here
         # by the grouped op's total, and the plain-mm stage below is what remains
         "expert GEMMs (grouped)": ("_grouped_mm",),
-        "expert layers, few rows (compiled kernel)": (SMALL_ROWS_RANGES["moe_small_rows_cpu"],),
-        "dense projections, few rows (compiled kernel)": (SMALL_ROWS_RANGES["linear_small_rows_cpu"],),
-        "attention kernel": ("paged_attention", "attention", "sdpa", "scaled_dot_product"),
+        "expert layers, few rows (compiled kernel)": ("batchgen::moe_small_rows",),
+        "dense projections, few rows (compiled kernel)": ("batchgen::linear_small_rows",),
+        "decode attention (compiled kernel)": ("batchgen::paged_decode_attention",),
+        "prompt attention (SDPA)": ("sdpa", "scaled_dot_product"),
+        "rope and KV write (compiled kernel)": ("batchgen::rope_kv_write",),
         "linear / matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
         "routing and permute": ("topk", "softmax", "sort", "argsort", "index_select", "index_add", "scatter",
                                 "gather", "bincount", "histc", "cumsum", "repeat_interleave", "aten::index"),
         "norms and activations": ("rms", "silu", "mul", "add", "rsqrt", "pow", "mean", "neg", "cat"),
         "sampling": ("argmax", "max", "multinomial", "log_softmax"),
     }
-    import batchgen_kernels.cpu_small_rows as small_rows
-    import batchgen_kernels.grouped_moe as grouped_moe
     from batchgen import Engine, SamplingParams
 
-    kernels = {(module, name): getattr(module, name) for module, name in
-               ((grouped_moe, "moe_small_rows_cpu"), (small_rows, "linear_small_rows_cpu"))}
-    for (module, name), fn in kernels.items():
-        setattr(module, name, _named(fn, SMALL_ROWS_RANGES[name]))
+    kernels = {(importlib.import_module(module), name): label for (module, name), label in KERNEL_RANGES.items()}
+    originals = {key: getattr(*key) for key in kernels}
+    for (module, name), label in kernels.items():
+        setattr(module, name, _named(originals[module, name], label))
     engine = Engine(model_dir, dtype="float32")  # (its KV pool is zero-filled here, outside the profile)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     engine.generate(prompts[:8], params[:8])
@@ -211,7 +219,7 @@ def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
         engine.generate(prompts, params)
         wall = time.perf_counter() - start
     engine.close()
-    for (module, name), fn in kernels.items():
+    for (module, name), fn in originals.items():
         setattr(module, name, fn)
     sums = dict.fromkeys([*stages, "other operators"], 0.0)
     events = prof.key_averages()

@@ -86,7 +86,7 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
             or x.device.type != "cpu" or not w.is_contiguous() or not small_rows_enabled()
             or (bias is not None and (bias.dtype is not f32 or bias.shape != (w.shape[0],) or not bias.is_contiguous()))):
         return F.linear(x, w, bias)
-    return _linear(cpu_kernels("small_rows_cpu"), x, w, bias)
+    return linear_small_rows_unchecked(cpu_kernels("small_rows_cpu"), x, w, bias)
 
 
 def linear_small_rows_cpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,10 +102,10 @@ def linear_small_rows_cpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
                                f"{None if bias is None else tuple(bias.shape)}")
     if not 0 < M <= _MAX_ROWS:
         raise KernelInputError(f"x has {M} rows: the kernel takes 1 to {_MAX_ROWS}")
-    return _linear(lib, x, w, bias)
+    return linear_small_rows_unchecked(lib, x, w, bias)
 
 
-def _linear(lib: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_small_rows_unchecked(lib: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel call on checked operands (x [M, K], 0 < M <= 128, unit last stride; w [Nout, K]
     contiguous; bias [Nout] contiguous or None; all CPU fp32)."""
     M, K = x.shape

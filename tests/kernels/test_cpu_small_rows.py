@@ -244,7 +244,7 @@ def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
 
     monkeypatch.setattr(cpu_small_rows, "IN_CACHE_BYTES", 0)
     calls: list[str] = []
-    for name in ("_linear", "moe_small_rows_cpu", "moe_routed_small_rows_cpu"):
+    for name in ("linear_small_rows_unchecked", "moe_small_rows_cpu", "moe_routed_small_rows_cpu"):
         real = getattr(cpu_small_rows, name)
         monkeypatch.setattr(cpu_small_rows, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     import batchgen_kernels.grouped_moe as grouped_moe
@@ -256,8 +256,8 @@ def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = Engine(model_dir, dtype="float32", device="cpu").generate(prompts, params)
     if family == "llama":
-        assert set(calls) == {"_linear"}
+        assert set(calls) == {"linear_small_rows_unchecked"}
     else:  # every expert layer here has few rows: one kernel call each
-        assert set(calls) == {"_linear", "moe_routed_small_rows_cpu"}
+        assert set(calls) == {"linear_small_rows_unchecked", "moe_routed_small_rows_cpu"}
     assert [o.token_ids for o in outs] == [tiny_models.reference_generate(model_dir, p, 8, ignore_eos=True)
                                            for p in prompts]
