@@ -29,6 +29,7 @@
 // other rows: a row's result is the same whatever it is batched with.
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -172,9 +173,13 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
 
 // out[k] = sum over a of y[pos[a]][k] * weights[a] (0 where pos[a] < 0), from zero in choice
 // order, each product rounded before it is added (no fused multiply-add): torch's mul_ then sum.
-__attribute__((optimize("fp-contract=off"))) void sum_choices(const float* y, const int64_t* pos,
-                                                               const float* weights, int num_choices, int k_len,
-                                                               float* out) {
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void sum_choices(const float* y, const int64_t* pos, const float* weights, int num_choices, int k_len, float* out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
   for (int k = 0; k < k_len; ++k) {
     float sum = 0.f;
     for (int a = 0; a < num_choices; ++a) sum += pos[a] >= 0 ? y[pos[a] * k_len + k] * weights[a] : 0.f;
@@ -233,7 +238,8 @@ int32_t batchgen_moe_routed_small_rows(int32_t num_threads, const float* x, int6
   std::vector<int64_t> pos(slots, -1), fill(starts.begin(), starts.end() - 1);
   for (int64_t s = 0; s < slots; ++s)
     if (ids[s] >= 0 && ids[s] < num_experts) pos[s] = fill[ids[s]]++;
-  std::vector<float> rows(routed * k_len), h(routed * n_len), y(routed * k_len);
+  // scratch, every entry written before it is read
+  std::unique_ptr<float[]> rows(new float[routed * k_len]), h(new float[routed * n_len]), y(new float[routed * k_len]);
   std::vector<uint8_t> take(num_experts);
   for (int e = 0; e < num_experts; ++e) take[e] = starts[e + 1] > starts[e];
   const bool parallel = num_threads > 1 && slots * k_len >= (1 << 15);
@@ -242,11 +248,11 @@ int32_t batchgen_moe_routed_small_rows(int32_t num_threads, const float* x, int6
     if (pos[s] >= 0)
       for (int k = 0; k < k_len; ++k) rows[pos[s] * k_len + k] = x[(s / num_choices) * k_len + k];
   if (routed > 0)
-    moe_rows(num_threads, rows.data(), w13, w2, starts.data(), take.data(), h.data(), y.data(), num_experts, k_len,
+    moe_rows(num_threads, rows.get(), w13, w2, starts.data(), take.data(), h.get(), y.get(), num_experts, k_len,
              n_len);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
   for (int64_t t = 0; t < num_tokens; ++t)
-    sum_choices(y.data(), pos.data() + t * num_choices, weights + t * num_choices, num_choices, k_len,
+    sum_choices(y.get(), pos.data() + t * num_choices, weights + t * num_choices, num_choices, k_len,
                 out + t * k_len);
   return 0;
 }
