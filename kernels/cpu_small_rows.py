@@ -7,7 +7,9 @@ memory's rate (on 2 AVX2 cores: 3-10 GB/s on one thread, nothing more from the s
 13.5 / 26.7 GB/s of plain reads). The kernels give every thread its own weight rows and read
 each once. Their references are `reference.fused_moe_reference`'s per-expert GEMMs and
 `F.linear`; they agree within fp32 rounding (the sums run in another order), and a row's
-result does not depend on the rows batched with it.
+result does not depend on the rows batched with it. `moe_routed_small_rows_cpu` runs a whole
+routed layer (sort by expert, gather, experts, weighted sum over the choices) in one call, the
+floats of the grouped path's operators around `moe_small_rows_cpu`.
 """
 from __future__ import annotations
 
