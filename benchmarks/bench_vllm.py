@@ -179,9 +179,9 @@ def run_vllm(python: Path, model_dir: Path, prompts: list[list[int]], lengths: l
 def _named(fn: Any, label: str) -> Any:
     from torch.profiler import record_function
 
-    def named(*args: Any) -> Any:
+    def named(*args: Any, **kwargs: Any) -> Any:
         with record_function(label):
-            return fn(*args)
+            return fn(*args, **kwargs)
     return named
 
 

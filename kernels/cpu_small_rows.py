@@ -26,7 +26,7 @@ from .errors import CpuKernelUnavailableError, KernelInputError
 # by reading weights at the memory's rate, so the limit depends on whether the weights come from
 # memory at all. Measured with bench_small_experts.py on 2 AVX2 cores, 8 experts:
 # - 1024 x 1024 (12 MiB an expert), with the next weight rows prefetched: two threads 1.5-3.6x
-#   at 1-32 rows, 1.4-1.8x at 48-96, 1.2-1.4x at 128, level at 192; one thread 1.1-1.4x at
+#   at 1-32 rows, 1.4-1.8x at 48-96, 1.2-1.4x at 128, 0.98-1.23x at 192; one thread 1.1-1.4x at
 #   16-32 rows, level at 48-64, 0.85x at 96-128 (sgemm's second thread adds little here);
 # - 256 x 512 (1.5 MiB an expert): two threads 1.3-2.2x at 8-128 rows;
 # - dense 1024 x 1024 and 1536 x 1024 (F.linear), two threads: 1.2-1.6x at 32-128 rows, level
@@ -49,7 +49,8 @@ def small_rows_limit(threads: int, weight_bytes: int) -> int:
 
 def expert_rows_limit(w13: torch.Tensor, w2: torch.Tensor) -> int:
     """small_rows_limit for one expert of stacked fp32 weights w13 [E, 2N, K] and w2 [E, K, N]."""
-    return small_rows_limit(torch.get_num_threads(), 4 * (w13[0].numel() + w2[0].numel()))
+    # (from the shapes: indexing an expert would make two tensor views on every layer's call)
+    return small_rows_limit(torch.get_num_threads(), 4 * (w13.numel() + w2.numel()) // max(w13.shape[0], 1))
 
 
 def cpu_small_rows_available() -> bool:
@@ -146,7 +147,7 @@ def moe_routed_small_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     [E, K, N]; topk_weights [T, A] fp32; topk_ids [T, A] int64 (outside [0, E): unrouted) ->
     [T, K], the floats the grouped path gives with every expert through the kernel (slots sorted
     stably by expert, each weighted, summed over A in order). None, with nothing computed, when
-    an expert has more than max_rows rows (at most 128)."""
+    an expert has more than max_rows rows (the kernel caps max_rows at its 128)."""
     lib = _library()
     E, K, N = w2.shape
     _check_fp32(x=x, w13=w13, w2=w2, topk_weights=topk_weights)
@@ -160,6 +161,6 @@ def moe_routed_small_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     out = torch.empty(T, K, dtype=torch.float32)
     if lib.batchgen_moe_routed_small_rows(torch.get_num_threads(), x.data_ptr(), T, A, topk_ids.data_ptr(),
                                           topk_weights.data_ptr(), w13.data_ptr(), w2.data_ptr(), E, K, N,
-                                          min(max_rows, _MAX_ROWS), out.data_ptr()):
+                                          max_rows, out.data_ptr()):
         return None
     return out
