@@ -49,25 +49,101 @@ inline void axpy(float* y, float w, const float* x, int n) {
   for (int i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
-// e^x for x <= 0 (scores minus their maximum), written so that loops over it vectorize:
-// x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error < 2e-8,
-// under fp32 rounding), 2^n from the exponent bits.
+// e^x for x <= 0 (scores minus their maximum): x = n ln2 + r with n = x / ln2 rounded to the
+// nearest integer (by adding and taking away 1.5 * 2^23) and |r| <= ln2 / 2; e^r by its Taylor
+// series to r^7 (relative error < 2e-8, under fp32 rounding); 2^n from the exponent bits. The
+// eight-lane version below does the same operations lane by lane, so both give the same floats.
+constexpr float kShifter = 12582912.f;  // 1.5 * 2^23
+constexpr float kTaylor[8] = {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+
 inline float exp_nonpositive(float x) {
   x = x < -87.f ? -87.f : x;
-  const float n = std::floor(x * 1.44269504089f + 0.5f);
+  const float n = (x * 1.44269504089f + kShifter) - kShifter;
   const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;  // ln2 in two parts
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  float p = kTaylor[0];
+  for (int i = 1; i < 8; ++i) p = p * r + kTaylor[i];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// Fixed head widths (DK, DV multiples of 8): eight lanes at a time, in GCC/Clang vector types
+// (AVX2 where the build targets it, narrower vectors elsewhere).
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+inline v8 vload(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void vstore(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
+inline float hsum(v8 v) {
+  const float a = (v[0] + v[4]) + (v[2] + v[6]);
+  const float b = (v[1] + v[5]) + (v[3] + v[7]);
+  return a + b;
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8 exp_nonpositive(v8 x) {
+  const v8 lowest = v8{} - 87.f;
+  x = x < lowest ? lowest : x;
+  const v8 n = (x * 1.44269504089f + kShifter) - kShifter;
+  const v8 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  v8 p = v8{} + kTaylor[0];
+  for (int i = 1; i < 8; ++i) p = p * r + kTaylor[i];
+  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  return p * (v8)bits;  // (a cast between vector types of one size keeps the bits)
+}
+
+// sc[i] = e^(sc[i] - m) for c scores -> their sum (in lane order, then the tail in order)
+inline float exponentiate(float* sc, int c, float m) {
+  int i = 0;
+  v8 total8 = v8{};
+  for (; i + 8 <= c; i += 8) {
+    const v8 e = exp_nonpositive(vload(sc + i) - m);
+    vstore(sc + i, e);
+    total8 += e;
+  }
+  float total = hsum(total8);
+  for (; i < c; ++i) total += (sc[i] = exp_nonpositive(sc[i] - m));
+  return total;
+}
+
+// sc[i] = q . k[i] for c keys, eight (then four) at a time: one key's dot product is a chain of
+// D / 8 dependent additions, so several keys in flight keep the FMA units busy where one would
+// wait on each addition's latency.
+template <int D, int N>
+inline void scores_n(const float* q, const float* const* k, float* sc) {
+  v8 acc[N];
+  for (int n = 0; n < N; ++n) acc[n] = v8{};
+  for (int d = 0; d < D; d += 8) {
+    const v8 qv = vload(q + d);
+    for (int n = 0; n < N; ++n) acc[n] += qv * vload(k[n] + d);
+  }
+  for (int n = 0; n < N; ++n) sc[n] = hsum(acc[n]);
+}
+
+template <int D>
+inline void scores(const float* q, const float* const* k, int c, float* sc) {
+  int i = 0;
+  for (; i + 8 <= c; i += 8) scores_n<D, 8>(q, k + i, sc + i);
+  for (; i + 4 <= c; i += 4) scores_n<D, 4>(q, k + i, sc + i);
+  for (; i < c; ++i) scores_n<D, 1>(q, k + i, sc + i);
+}
+
+// o = o * alpha + sum over i of p[i] v[i], 64 lanes of o at a time held in registers across the
+// block's keys (an update through memory per key would wait on the store of the one before; eight
+// independent chains cover the FMA latency).
+template <int D>
+inline void add_values(float* o, float alpha, const float* const* v, const float* p, int c) {
+  constexpr int kLanes = D < 64 ? D : 64;
+  for (int d0 = 0; d0 < D; d0 += kLanes) {
+    v8 acc[kLanes / 8];
+    for (int r = 0; r < kLanes / 8; ++r) acc[r] = alpha != 1.f ? vload(o + d0 + 8 * r) * alpha : vload(o + d0 + 8 * r);
+    for (int i = 0; i < c; ++i) {
+      const v8 pi = v8{} + p[i];
+      for (int r = 0; r < kLanes / 8; ++r) acc[r] += pi * vload(v[i] + d0 + 8 * r);
+    }
+    for (int r = 0; r < kLanes / 8; ++r) vstore(o + d0 + 8 * r, acc[r]);
+  }
 }
 
 // Loads n values at src as fp32: a pointer into the cache itself for fp32, else a converted copy.
@@ -93,10 +169,10 @@ struct Args {
 // flash attention does with its tiles: scores of the block's positions, an online-softmax update
 // of each head's running maximum / sum / accumulator, then the block's values, read while the
 // block's rows (consecutive slots) are still in L1. Every row is fetched from memory once.
-// DK, DV > 0: head widths known at compile time (32 / 64 / 128), so the dot products and
-// updates unroll; 0: read from a.
+// DK, DV > 0: head widths known at compile time (32 / 64 / 128), eight lanes at a time in
+// registers (scores, exponentials, value sums); 0: read from a, plain loops.
 template <typename T, int DK, int DV>
-void attend(const Args& a, int s, int h0, int h1, std::vector<float>& scratch) {
+void attend(const Args& a, int s, int h0, int h1, std::vector<float>& scratch, std::vector<const float*>& rowp) {
   const int g = a.num_q_heads / a.num_kv_heads, bs = a.block_size, nh = h1 - h0;
   const int dk = DK > 0 ? DK : a.dk, dv = DV > 0 ? DV : a.dv;
   const int len = a.context_lens[s];
@@ -121,31 +197,55 @@ void attend(const Args& a, int s, int h0, int h1, std::vector<float>& scratch) {
     sum[j] = 0.f;
   }
   std::memset(acc, 0, sizeof(float) * nh * dv);
+  constexpr bool kVector = DK > 0 && DK % 8 == 0 && DV > 0 && DV % 8 == 0;
+  rowp.resize(bs);  // the block's key or value rows, as fp32
   for (int b = start / bs; b * bs < len; ++b) {
     const int p0 = b * bs > start ? b * bs : start, p1 = (b + 1) * bs < len ? (b + 1) * bs : len, c = p1 - p0;
     const T* rows = cache + (static_cast<int64_t>(table[b]) * bs + p0 % bs) * a.row_stride;
+    // The next block's rows are fetched into L2 while this one computes (blocks lie anywhere in
+    // the cache, where no hardware prefetcher follows), a share of them per head so that the
+    // requests do not all queue at once.
+    const char* next = (b + 1) * bs < len
+        ? reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[b + 1]) * bs * a.row_stride) : nullptr;
+    const int64_t next_lines = static_cast<int64_t>(bs) * a.row_stride * sizeof(T) / 64;
     for (int j = 0; j < nh; ++j) {
+      if (next)
+        for (int64_t l = next_lines * j / nh; l < next_lines * (j + 1) / nh; ++l) __builtin_prefetch(next + 64 * l, 0, 2);
       const int kh = (h0 + j) / g;
       const T* krow = rows + kh * a.key_head_stride;
-      for (int i = 0; i < c; ++i, krow += a.row_stride)
-        sc[i] = dot(qf + j * dk, as_float(krow, buf + i * dmax, dk), dk);
+      if constexpr (kVector) {
+        for (int i = 0; i < c; ++i, krow += a.row_stride) rowp[i] = as_float(krow, buf + i * dmax, dk);
+        scores<DK>(qf + j * dk, rowp.data(), c, sc);
+      } else {
+        for (int i = 0; i < c; ++i, krow += a.row_stride)
+          sc[i] = dot(qf + j * dk, as_float(krow, buf + i * dmax, dk), dk);
+      }
       float m = mx[j];
       for (int i = 0; i < c; ++i) m = sc[i] > m ? sc[i] : m;
       const float alpha = exp_nonpositive(mx[j] - m);  // 0 on the first block (-inf - m)
       float total = 0.f;
+      if constexpr (kVector) {
+        total = exponentiate(sc, c, m);
+      } else {
 #pragma omp simd reduction(+ : total)
-      for (int i = 0; i < c; ++i) {
-        sc[i] = exp_nonpositive(sc[i] - m);
-        total += sc[i];
+        for (int i = 0; i < c; ++i) {
+          sc[i] = exp_nonpositive(sc[i] - m);
+          total += sc[i];
+        }
       }
       mx[j] = m;
       sum[j] = sum[j] * alpha + total;
       float* o = acc + j * dv;
+      const T* vrow = rows + a.value_offset + kh * a.value_head_stride;
+      if constexpr (kVector) {
+        for (int i = 0; i < c; ++i, vrow += a.row_stride) rowp[i] = as_float(vrow, buf + i * dmax, dv);
+        add_values<DV>(o, alpha, rowp.data(), sc, c);
+        continue;
+      }
       if (alpha != 1.f) {
 #pragma omp simd
         for (int i = 0; i < dv; ++i) o[i] *= alpha;
       }
-      const T* vrow = rows + a.value_offset + kh * a.value_head_stride;
       for (int i = 0; i < c; ++i, vrow += a.row_stride) axpy(o, sc[i], as_float(vrow, buf + i * dmax, dv), dv);
     }
   }
@@ -181,10 +281,11 @@ int32_t run(const Args& a, int32_t num_threads) {
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
   {
     std::vector<float> scratch;
+    std::vector<const float*> rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int h0 = static_cast<int>(it % split) * per_item;
-      attend<T, DK, DV>(a, static_cast<int>(it / split), h0, h0 + per_item, scratch);
+      attend<T, DK, DV>(a, static_cast<int>(it / split), h0, h0 + per_item, scratch, rows);
     }
   }
   return 0;

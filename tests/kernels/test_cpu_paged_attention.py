@@ -43,6 +43,7 @@ def paged_inputs(S: int, hq: int, width: int, q_width: int, block_size: int, max
     (257, 8, 2, 64, 16, 70, None),
     (5, 8, 8, 128, 32, 300, 33),  # MHA, window across blocks
     (4, 12, 1, 24, 3, 50, 1),  # MQA, window of one position
+    (6, 8, 2, 64, 13, 90, 20),  # blocks of 13 keys (8 + 4 + 1 at a time), window across blocks
 ])
 def test_gqa_matches_reference(dtype: torch.dtype, S: int, hq: int, hk: int, d: int, block_size: int, max_len: int,
                                window: int | None) -> None:
