@@ -9,6 +9,7 @@ import torch
 
 from batchgen.models import attention
 from batchgen.models.attention import AttentionBatch, paged_attention
+from batchgen.models.cuda_decode import DecodeTables, gqa_decode, use_paged_kernel
 
 BLOCK, HQ, HK, D = 4, 4, 2, 8
 
@@ -117,3 +118,37 @@ def test_a_prompts_first_chunk_is_plain_causal_attention(Q: int, hq: int, hk: in
     got = attention._attend_causal(q, k, v, scale)
     assert got.shape == (Q, hq, d)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not use_paged_kernel(torch.device("cpu"), torch.float32), reason="no CPU paged kernel here")
+@pytest.mark.parametrize("window", [None, 6])
+def test_short_prefill_chunks_in_the_cpu_kernel_equal_the_prefill_path(window: int | None) -> None:
+    """Decodes, a prompt's first chunk, a later chunk and a prompt longer than the limit in one
+    batch: with short chunks sent to the paged kernel a row per token, every row equals the batch
+    attended with no chunk sent there (SDPA and the masked path for prefills)."""
+    items, next_block = [], 0
+    for computed, new in ((7, 1), (0, 20), (10, 7), (0, 40), (30, 1), (0, 3)):
+        end = computed + new
+        blocks = list(range(next_block, next_block + -(-end // BLOCK)))[::-1]
+        next_block += len(blocks)
+        items.append((computed, new, blocks))
+    torch.manual_seed(1)
+    cache = torch.randn(next_block * BLOCK, 2 * HK * D)
+    batch = AttentionBatch.build(items, BLOCK, torch.device("cpu"), torch.float32)
+    q = torch.randn(batch.num_tokens, HQ, D)
+    fresh = cache[batch.slot_mapping]
+
+    def paged(q_rows: torch.Tensor, kv: torch.Tensor, t: DecodeTables) -> torch.Tensor:
+        return gqa_decode(q_rows, kv, t, HK, 1 / math.sqrt(D), window)
+
+    def attend(limit: int) -> torch.Tensor:
+        return paged_attention(q, batch, cache, expand, 1 / math.sqrt(D), window, D, paged=paged, fresh=fresh,
+                               paged_prefill_context=limit)
+
+    tables, left = batch.token_tables(32)
+    assert [c.num_tokens for c in left] == [40]  # the only chunk with more than 32 tokens of context
+    kernel_rows = [r for r in range(batch.num_tokens) if not 28 <= r < 68]  # (rows 28-67: the long prompt)
+    assert tables is not None and tables.rows.tolist() == kernel_rows
+    assert tables.context_lens.tolist() == [batch.positions[r] + 1 for r in kernel_rows]
+    torch.testing.assert_close(attend(32), attend(0), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(attend(64), attend(0), rtol=1e-5, atol=2e-6)  # every row in the kernel
