@@ -196,8 +196,8 @@ def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
         "expert GEMMs (grouped)": ("_grouped_mm",),
         "expert layers, few rows (compiled kernel)": ("batchgen::moe_small_rows",),
         "dense projections, few rows (compiled kernel)": ("batchgen::linear_small_rows",),
-        "decode attention (compiled kernel)": ("batchgen::paged_decode_attention",),
-        "prompt attention (SDPA)": ("sdpa", "scaled_dot_product"),
+        "paged attention (compiled kernel: decodes, short prompts)": ("batchgen::paged_decode_attention",),
+        "prompt attention (SDPA, longer prompts)": ("sdpa", "scaled_dot_product"),
         "rope and KV write (compiled kernel)": ("batchgen::rope_kv_write",),
         "linear / matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
         "routing and permute": ("topk", "softmax", "sort", "argsort", "index_select", "index_add", "scatter",
@@ -297,7 +297,7 @@ def main() -> None:
         total = sum(s for _, s in stages)
         print("batchgen step breakdown (torch.profiler, one run; profiling slows it):")
         for name, s in stages:
-            print(f"  {name:45s} {s:7.2f} s  {s / total:5.1%}")
+            print(f"  {name:57s} {s:7.2f} s  {s / total:5.1%}")
     if same_hf != k:
         raise SystemExit("batchgen's greedy tokens differ from transformers'")
 

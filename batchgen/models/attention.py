@@ -226,9 +226,10 @@ PagedDecode = Callable[[torch.Tensor, torch.Tensor, DecodeTables], torch.Tensor]
 def paged_prefill_context(head_dim: int) -> int:
     """Context (tokens) up to which a prefill chunk attends in the CPU paged kernel, a row per
     token, rather than in one SDPA call of its own. Measured on 2 AVX2 cores, 1024 prompt tokens
-    (SDPA time / kernel time): head width 32: 1.24x at 128 tokens, 0.75x at 256; 64: 1.17x at
-    128, 0.99x at 256; 128: 1.14x at 64, 0.93x at 128. The kernel's work grows with the square of
-    the context (each token reads all before it), SDPA's tiles do not."""
+    in prompts of one length (benchmarks/bench_paged_attention.py, SDPA time / kernel time, three
+    runs): head width 32: 1.24-1.31x at 128 tokens, 0.75-1.01x at 256; 64: 1.17-1.44x at 128,
+    0.94-1.13x at 256; 128: 1.14-1.35x at 64, 0.93-1.09x at 128. The kernel's work grows with the
+    square of the context (each token reads all before it), SDPA's tiles do not."""
     return 128 if head_dim <= 64 else 64
 
 
