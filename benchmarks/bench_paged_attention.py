@@ -13,26 +13,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from bench_small_experts import per_call_s  # (benchmarks/ is on the path: scripts run from there)
 
 from batchgen_kernels import cpu_paged_attention_available, paged_attention_gqa_cpu
 
 DECODE = ((8, 4, 32, 100, 150), (16, 4, 64, 100, 150), (16, 4, 64, 16, 1000), (32, 8, 128, 16, 2000))
 PREFILL = ((8, 4, 32), (16, 4, 64), (32, 8, 128))
 BLOCK = 16
-
-
-def per_call_s(fn: Callable[[], object], seconds: float = 0.3) -> float:
-    fn()
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        fn()
-        n += 1
-    return (time.perf_counter() - start) / n
+SECONDS = 0.3  # per timing
 
 
 def decode_case(hq: int, hk: int, d: int, seqs: int, ctx: int, spread: bool, repeats: int) -> str:
@@ -47,7 +38,7 @@ def decode_case(hq: int, hk: int, d: int, seqs: int, ctx: int, spread: bool, rep
     def call() -> torch.Tensor:
         return paged_attention_gqa_cpu(q, cache, tables, lens, BLOCK, hk, d ** -0.5, None)
 
-    seconds = min(per_call_s(call) for _ in range(repeats))
+    seconds = min(per_call_s(call, SECONDS) for _ in range(repeats))
     gb = int(lens.sum()) * 2 * hk * d * 4 / 1e9
     digest = hashlib.md5(call().numpy().tobytes()).hexdigest()[:8]
     where = "memory" if spread else "cache"
@@ -75,8 +66,8 @@ def prefill_case(hq: int, hk: int, d: int, n: int, repeats: int) -> str:
             for p in range(prompts)])
 
     gap = (kernel() - sdpa()).abs().max().item()
-    tk = min(per_call_s(kernel) for _ in range(repeats))
-    ts = min(per_call_s(sdpa) for _ in range(repeats))
+    tk = min(per_call_s(kernel, SECONDS) for _ in range(repeats))
+    ts = min(per_call_s(sdpa, SECONDS) for _ in range(repeats))
     return (f"prefill {hq}/{hk} heads x {d}, {prompts:3d} prompts of {n:4d}: kernel {tk * 1e3:7.3f} ms, "
             f"SDPA {ts * 1e3:7.3f} ms, {ts / tk:5.2f}x; largest gap {gap:.1e}")
 
