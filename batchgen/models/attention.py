@@ -138,23 +138,24 @@ class AttentionBatch:
 
 def _token_tables(decodes: list[tuple[int, int, Sequence[int]]], chunks: list[PrefillChunk], block_size: int,
                   device: torch.device) -> DecodeTables:
-    """The decodes and every token of `chunks` as paged-kernel rows, in batch row order."""
-    entries: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (row, rows, lens, blocks)
-    for row, n, blocks in decodes:
-        entries.append((row, torch.tensor([row]), torch.tensor([n], dtype=torch.int32),
-                        torch.tensor(list(blocks[:-(-n // block_size)]), dtype=torch.int32)))
+    """The decodes and every token of `chunks` as paged-kernel rows, in batch row order. The
+    decodes become tensors in one go (no tensor per decode row: this runs every forward that
+    carries a short prompt), each chunk in a few tensor operations."""
+    used = [-(-n // block_size) for _, n, _ in decodes]  # blocks each decode's context covers
+    width = max(used + [c.block_table.shape[0] for c in chunks])
+    rows = [torch.tensor([r for r, _, _ in decodes], dtype=torch.long)]
+    lens = [torch.tensor([n for _, n, _ in decodes], dtype=torch.int32)]
+    tables = [torch.tensor([list(b[:k]) + [0] * (width - k) for (_, _, b), k in zip(decodes, used)],
+                           dtype=torch.int32).view(len(decodes), width)]
     for c in chunks:
-        entries.append((c.start, torch.arange(c.start, c.start + c.num_tokens), (c.positions + 1).to(torch.int32),
-                        c.block_table.to(torch.int32)))
-    entries.sort(key=lambda e: e[0])
-    width = max(e[3].shape[0] for e in entries)
-    tables = torch.zeros(sum(e[1].shape[0] for e in entries), width, dtype=torch.int32)
-    at = 0
-    for _, rows, _, blocks in entries:
-        tables[at:at + rows.shape[0], :blocks.shape[0]] = blocks
-        at += rows.shape[0]
-    return DecodeTables(torch.cat([e[1] for e in entries]).to(device), tables.to(device),
-                        torch.cat([e[2] for e in entries]).to(device), block_size)
+        rows.append(torch.arange(c.start, c.start + c.num_tokens))
+        lens.append((c.positions + 1).to(torch.int32))
+        tables.append(F.pad(c.block_table.to(torch.int32), (0, width - c.block_table.shape[0]))
+                      .expand(c.num_tokens, width))
+    row = torch.cat(rows)
+    order = torch.argsort(row)
+    return DecodeTables(row[order].to(device), torch.cat(tables)[order].to(device), torch.cat(lens)[order].to(device),
+                        block_size)
 
 
 # A decode group closes when the next context is this much longer than its shortest one, once it
