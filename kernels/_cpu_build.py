@@ -131,7 +131,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "batchgen_moe_small_rows"):
         fn = lib.batchgen_moe_small_rows
         fn.restype = i32
-        fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32]
+        fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32]
     if hasattr(lib, "batchgen_moe_routed_small_rows"):
         fn = lib.batchgen_moe_routed_small_rows
         fn.restype = i32

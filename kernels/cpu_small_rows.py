@@ -7,9 +7,12 @@ memory's rate (on 2 AVX2 cores: 3-10 GB/s on one thread, nothing more from the s
 13.5 / 26.7 GB/s of plain reads). The kernels give every thread its own weight rows and read
 each once. Their references are `reference.fused_moe_reference`'s per-expert GEMMs and
 `F.linear`; they agree within fp32 rounding (the sums run in another order), and a row's
-result does not depend on the rows batched with it. `moe_routed_small_rows_cpu` runs a whole
-routed layer (sort by expert, gather, experts, weighted sum over the choices) in one call, the
-floats of the grouped path's operators around `moe_small_rows_cpu`.
+result does not depend on the rows batched with it while their number stays on one side of
+PANEL_ROWS (fewer: dot products along the weight rows; more: x packed into panels of eight rows
+and each weight broadcast against them, which needs half the cache traffic a multiply-add).
+`moe_routed_small_rows_cpu` runs a whole routed layer (sort by expert, gather, experts,
+weighted sum over the choices) in one call, the floats of the grouped path's operators around
+`moe_small_rows_cpu`.
 """
 from __future__ import annotations
 
@@ -22,35 +25,43 @@ import torch.nn.functional as F
 from ._cpu_build import cpu_kernels, cpu_kernels_error
 from .errors import CpuKernelUnavailableError, KernelInputError
 
-# Rows (per expert) up to which the kernels beat sgemm (torch._grouped_mm, F.linear). They win
-# by reading weights at the memory's rate, so the limit depends on whether the weights come from
-# memory at all. Measured with bench_small_experts.py on 2 AVX2 cores, 8 experts:
-# - 1024 x 1024 (12 MiB an expert), with the next weight rows prefetched: two threads 1.5-3.6x
-#   at 1-32 rows, 1.4-1.8x at 48-96, 1.2-1.4x at 128, 0.98-1.23x at 192; one thread 1.1-1.4x at
-#   16-32 rows, level at 48-64, 0.85x at 96-128 (sgemm's second thread adds little here);
-# - 256 x 512 (1.5 MiB an expert): two threads 1.3-2.2x at 8-128 rows;
-# - dense 1024 x 1024 and 1536 x 1024 (F.linear), two threads: 1.2-1.6x at 32-128 rows, level
-#   at 192, 0.85x at 256;
-# - 128 x 128 (192 KiB an expert, in cache): one thread 1.05-1.1x at 1-8 rows, 0.6-0.7x at 16-32,
-#   so weights that fit in cache keep sgemm (and the results it gave before).
-SMALL_ROWS_ONE_THREAD = 32
-SMALL_ROWS_THREADS = 128
+# Rows (per expert, or of a dense product) up to which the kernels beat sgemm (torch._grouped_mm,
+# F.linear). They win twice: by reading weights at the memory's rate (few rows), and by a tile
+# that feeds the multiply-adds with less cache traffic than sgemm's on these shapes (more rows).
+# Weights that fit in cache keep sgemm. Measured on 2 AVX2 cores (bench_small_experts.py, and
+# each median of three ~0.4 s runs alternated against sgemm):
+# - experts, 8 of 1024 x 1024 (12 MiB each) and of 256 x 512 (1.5 MiB): two threads 1.3-4.4x at
+#   16-64 rows, 1.15-1.9x at 128-256, 1.01-1.4x at 384-2048; one thread 1.2-2.4x at 16-64 rows,
+#   1.04-1.14x at 128, level at 512 (0.96-1.03x);
+# - dense 1024 x 1024, 1536 x 1024 and 1024 x 256: two threads 1.4-2x at 32-64 rows, 1.2-1.5x at
+#   128, 1.1-1.35x at 256, 1.04-1.09x at 384; one thread 1.1-1.5x at 16-64, level from 128;
+# - 512 x 256 (512 KiB, in cache): 0.85-0.94x from 256 rows; at 128 x 128 (192 KiB) one thread
+#   was 0.6-0.7x at 16-32 rows.
+EXPERT_ROWS_ONE_THREAD = 128
+EXPERT_ROWS_THREADS = 2048
+DENSE_ROWS_ONE_THREAD = 128
+DENSE_ROWS_THREADS = 256
 IN_CACHE_BYTES = 1 << 20  # weights of one product below this are taken as read from cache
-_MAX_ROWS = 128  # the kernel's kMaxRows
+# the kernel's kPanelRows: products with more rows than this run as panels (x packed, each weight
+# broadcast against eight rows), which sum in another order than the tile for fewer rows
+PANEL_ROWS = 8
 
 
-def small_rows_limit(threads: int, weight_bytes: int) -> int:
-    """Most rows (per expert) the kernels should take with this many threads, for a product
-    whose weights (one expert's, or the dense matrix) take weight_bytes."""
+def small_rows_limit(threads: int, weight_bytes: int, experts: bool = False) -> int:
+    """Most rows (per expert when `experts`) the kernels should take with this many threads, for
+    a product whose weights (one expert's, or the dense matrix) take weight_bytes."""
     if weight_bytes < IN_CACHE_BYTES:
         return 0
-    return SMALL_ROWS_ONE_THREAD if threads <= 1 else SMALL_ROWS_THREADS
+    if experts:
+        return EXPERT_ROWS_ONE_THREAD if threads <= 1 else EXPERT_ROWS_THREADS
+    return DENSE_ROWS_ONE_THREAD if threads <= 1 else DENSE_ROWS_THREADS
 
 
 def expert_rows_limit(w13: torch.Tensor, w2: torch.Tensor) -> int:
     """small_rows_limit for one expert of stacked fp32 weights w13 [E, 2N, K] and w2 [E, K, N]."""
     # (from the shapes: indexing an expert would make two tensor views on every layer's call)
-    return small_rows_limit(torch.get_num_threads(), 4 * (w13.numel() + w2.numel()) // max(w13.shape[0], 1))
+    return small_rows_limit(torch.get_num_threads(), 4 * (w13.numel() + w2.numel()) // max(w13.shape[0], 1),
+                            experts=True)
 
 
 def cpu_small_rows_available() -> bool:
@@ -93,7 +104,7 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_small_rows_cpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K] fp32 (unit last stride), M <= 128; w: [Nout, K]; bias: [Nout] or None -> x w^T + bias."""
+    """x: [M, K] fp32 (unit last stride), M >= 1; w: [Nout, K]; bias: [Nout] or None -> x w^T + bias."""
     lib = _library()
     _check_fp32(w=w, **({"bias": bias} if bias is not None else {}))
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
@@ -103,13 +114,13 @@ def linear_small_rows_cpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
     if w.dim() != 2 or w.shape[1] != K or (bias is not None and bias.shape != (w.shape[0],)):
         raise KernelInputError(f"w must be [Nout, {K}] and bias [Nout], got {tuple(w.shape)} and "
                                f"{None if bias is None else tuple(bias.shape)}")
-    if not 0 < M <= _MAX_ROWS:
-        raise KernelInputError(f"x has {M} rows: the kernel takes 1 to {_MAX_ROWS}")
+    if M < 1:
+        raise KernelInputError("x has no rows: the kernel takes at least one")
     return linear_small_rows_unchecked(lib, x, w, bias)
 
 
 def linear_small_rows_unchecked(lib: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel call on checked operands (x [M, K], 0 < M <= 128, unit last stride; w [Nout, K]
+    """The kernel call on checked operands (x [M, K], M >= 1, unit last stride; w [Nout, K]
     contiguous; bias [Nout] contiguous or None; all CPU fp32)."""
     M, K = x.shape
     y = torch.empty(M, w.shape[0], dtype=torch.float32)
@@ -122,7 +133,7 @@ def moe_small_rows_cpu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
                        take: torch.Tensor, out: torch.Tensor) -> None:
     """rows: [R, K] fp32, grouped by expert (counts [E] rows each, in expert order); w13:
     [E, 2N, K]; w2: [E, K, N]; take: [E] bool. Writes silu(x gate^T) * (x up^T) @ w2^T into
-    out [R, K] for the rows of the experts taken (at most 128 rows each); other rows are left."""
+    out [R, K] for the rows of the experts taken; other rows are left."""
     lib = _library()
     E, K, N = w2.shape
     _check_fp32(rows=rows, w13=w13, w2=w2, out=out)
@@ -135,10 +146,8 @@ def moe_small_rows_cpu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     starts = torch.zeros(E + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=starts[1:])
     take8 = take.to(torch.uint8).contiguous()
-    h = torch.empty(R, N, dtype=torch.float32)
-    if lib.batchgen_moe_small_rows(torch.get_num_threads(), rows.data_ptr(), w13.data_ptr(), w2.data_ptr(),
-                                   starts.data_ptr(), take8.data_ptr(), h.data_ptr(), out.data_ptr(), E, K, N):
-        raise KernelInputError(f"an expert taken has more than {_MAX_ROWS} rows")
+    lib.batchgen_moe_small_rows(torch.get_num_threads(), rows.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+                                starts.data_ptr(), take8.data_ptr(), out.data_ptr(), E, K, N)
 
 
 def moe_routed_small_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -147,7 +156,7 @@ def moe_routed_small_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     [E, K, N]; topk_weights [T, A] fp32; topk_ids [T, A] int64 (outside [0, E): unrouted) ->
     [T, K], the floats the grouped path gives with every expert through the kernel (slots sorted
     stably by expert, each weighted, summed over A in order). None, with nothing computed, when
-    an expert has more than max_rows rows (the kernel caps max_rows at its 128)."""
+    an expert has more than max_rows rows."""
     lib = _library()
     E, K, N = w2.shape
     _check_fp32(x=x, w13=w13, w2=w2, topk_weights=topk_weights)

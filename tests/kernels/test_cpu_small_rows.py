@@ -10,6 +10,7 @@ from test_kernels import make_inputs
 
 from batchgen_kernels import KernelInputError, fused_moe_grouped, fused_moe_grouped_into, fused_moe_reference
 from batchgen_kernels.cpu_small_rows import (
+    PANEL_ROWS,
     cpu_small_rows_available,
     expert_rows_limit,
     linear_rows,
@@ -45,6 +46,7 @@ def weights(E: int, K: int, N: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     (37, 21, [5, 2, 7]),           # tails past the last 8 lanes, an odd number of output columns
     (128, 96, [128, 4, 9, 1, 13]),  # the most rows the kernel takes
     (520, 531, [3, 9, 0, 6]),  # rows longer than 512: prefetched one group of rows ahead
+    (37, 50, [17, 40, 24, 9, 16]),  # panels: 3 (the 4 x 3 tile), 5 (6 x 2 and 4 x 3), 2, 2 and 2
 ])
 def test_kernel_matches_the_per_expert_reference(K: int, N: int, counts: list[int]) -> None:
     w13, w2 = weights(len(counts), K, N, seed=K)
@@ -56,9 +58,12 @@ def test_kernel_matches_the_per_expert_reference(K: int, N: int, counts: list[in
 
 
 def test_a_row_gets_the_same_result_whatever_it_is_batched_with() -> None:
+    """... among the rows its expert gets, as long as their number stays on one side of PANEL_ROWS
+    (the two tiles sum in different orders)."""
     w13, w2 = weights(3, 96, 64, seed=1)
     rows = torch.randn(11, 96, generator=torch.Generator().manual_seed(2))
     counts = torch.tensor([4, 6, 1])
+    assert int(counts.max()) <= PANEL_ROWS
     together = torch.empty_like(rows)
     moe_small_rows_cpu(rows, w13, w2, counts, torch.ones(3, dtype=torch.bool), together)
     alone = torch.empty(1, 96)
@@ -66,6 +71,16 @@ def test_a_row_gets_the_same_result_whatever_it_is_batched_with() -> None:
         moe_small_rows_cpu(rows[row:row + 1].contiguous(), w13, w2, torch.eye(3, dtype=torch.int64)[e],
                            torch.ones(3, dtype=torch.bool), alone)
         assert torch.equal(alone[0], together[row])
+    many = torch.randn(60, 96, generator=torch.Generator().manual_seed(3))
+    among_many = torch.empty_like(many)
+    moe_small_rows_cpu(many, w13, w2, torch.tensor([30, 17, 13]), torch.ones(3, dtype=torch.bool), among_many)
+    for e, row in ((0, 29), (1, 31), (2, 59)):  # the same rows, among PANEL_ROWS + 1 rows of others
+        others = torch.randn(PANEL_ROWS, 96, generator=torch.Generator().manual_seed(row))
+        fewer = torch.cat([others[:5], many[row:row + 1], others[5:]])
+        out = torch.empty_like(fewer)
+        moe_small_rows_cpu(fewer, w13, w2, torch.eye(3, dtype=torch.int64)[e] * (PANEL_ROWS + 1),
+                           torch.ones(3, dtype=torch.bool), out)
+        assert torch.equal(out[5], among_many[row])
 
 
 def test_experts_not_taken_are_left_as_they_are() -> None:
@@ -80,8 +95,6 @@ def test_experts_not_taken_are_left_as_they_are() -> None:
 def test_bad_inputs_are_refused_with_the_argument_named() -> None:
     w13, w2 = weights(2, 32, 16, seed=4)
     take = torch.ones(2, dtype=torch.bool)
-    with pytest.raises(KernelInputError, match="more than 128 rows"):
-        moe_small_rows_cpu(torch.randn(130, 32), w13, w2, torch.tensor([129, 1]), take, torch.empty(130, 32))
     with pytest.raises(KernelInputError, match="rows must be a contiguous CPU float32"):
         moe_small_rows_cpu(torch.randn(3, 32).double(), w13, w2, torch.tensor([1, 2]), take, torch.empty(3, 32))
     with pytest.raises(KernelInputError, match="counts must sum to 3"):
@@ -122,11 +135,14 @@ def test_one_call_layer_declines_an_expert_over_the_limit() -> None:
         moe_routed_small_rows_cpu(x, w13, w2, tw.double(), ids, max_rows=4)
 
 
-@pytest.mark.parametrize(("T", "E", "A"), [(1, 8, 2), (20, 8, 2), (700, 5, 2)])
+@pytest.mark.parametrize(("T", "E", "A"), [(1, 8, 2), (20, 8, 2), (700, 5, 2), (0, 2, 1)])
 def test_grouped_path_with_small_and_large_experts_matches_the_reference(T: int, E: int, A: int) -> None:
-    """T=1: every expert small; T=20: mostly small; T=700: large experts through sgemm, bit for
-    bit, beside any small one."""
-    inputs = make_inputs(T, E, A, K=256, N=512, seed=T)  # 1.5 MiB an expert: read from memory
+    """T=1: every expert small; T=20: mostly small; T=700: the kernel's panels with two or more
+    threads; T=0 here: every expert past the kernel's limit, through sgemm, bit for bit."""
+    K, N = 256, 512  # 1.5 MiB an expert: read from memory
+    if T == 0:
+        T = E * (small_rows_limit(torch.get_num_threads(), 4 * 3 * K * N, experts=True) + 40)
+    inputs = make_inputs(T, E, A, K=K, N=N, seed=T)
     assert small_rows_enabled()
     got, want = fused_moe_grouped(*inputs), fused_moe_reference(*inputs)
     assert (got - want).abs().max() <= TOL * want.abs().max()
@@ -143,15 +159,18 @@ def test_turned_off_the_grouped_path_is_the_reference_bit_for_bit(monkeypatch: p
     assert torch.equal(fused_moe_grouped(*inputs), fused_moe_reference(*inputs))
 
 
-@pytest.mark.parametrize(("M", "K", "N", "bias"), [(1, 64, 48, False), (3, 37, 21, True), (64, 128, 97, True)])
+@pytest.mark.parametrize(("M", "K", "N", "bias"), [(1, 64, 48, False), (3, 37, 21, True), (64, 128, 97, True),
+                                                (13, 200, 30, False)])
 def test_linear_kernel_matches_f_linear(M: int, K: int, N: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(M + K)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) / K ** 0.5
     b = torch.randn(N, generator=g) if bias else None
     got, want = linear_small_rows_cpu(x, w, b), F.linear(x, w, b)
     assert (got - want).abs().max() <= TOL * want.abs().max()
-    alone = linear_small_rows_cpu(x[-1:], w, b)  # the same row, batched with no other
-    assert torch.equal(alone[0], got[-1])
+    # the same row batched with no other, or (past PANEL_ROWS) with as few as the panels take
+    fewest = 1 if M <= PANEL_ROWS else PANEL_ROWS + 1
+    alone = linear_small_rows_cpu(x[-fewest:], w, b)
+    assert torch.equal(alone[-1], got[-1])
 
 
 def test_linear_kernel_reads_rows_with_a_stride() -> None:
@@ -175,8 +194,8 @@ def test_linear_rows_takes_the_kernel_only_where_it_pays(monkeypatch: pytest.Mon
 
 
 def test_linear_kernel_refuses_bad_inputs() -> None:
-    with pytest.raises(KernelInputError, match="the kernel takes 1 to 128"):
-        linear_small_rows_cpu(torch.randn(129, 8), torch.randn(4, 8))
+    with pytest.raises(KernelInputError, match="x has no rows"):
+        linear_small_rows_cpu(torch.randn(0, 8), torch.randn(4, 8))
     with pytest.raises(KernelInputError, match=r"w must be \[Nout, 8\]"):
         linear_small_rows_cpu(torch.randn(2, 8), torch.randn(4, 9))
     with pytest.raises(KernelInputError, match="x must be a CPU float32"):
@@ -186,13 +205,15 @@ def test_linear_kernel_refuses_bad_inputs() -> None:
 def test_one_call_mixes_the_paths_by_each_experts_rows() -> None:
     """Expert 0 gets more rows than the kernel takes (sgemm: bit for bit the reference), the
     others a few each (the kernel); computed in parts, the one-call result exactly."""
-    x, w13, w2, tw, _ = make_inputs(220, 4, 1, K=256, N=512, seed=11)
-    ids = torch.tensor([0] * 200 + [1, 2, 3] * 6 + [1, 2]).unsqueeze(1)
-    assert 200 > expert_rows_limit(w13, w2) >= 7
+    K, N = 256, 512
+    over = small_rows_limit(torch.get_num_threads(), 4 * 3 * K * N, experts=True) + 1
+    x, w13, w2, tw, _ = make_inputs(over + 20, 4, 1, K=K, N=N, seed=11)
+    ids = torch.tensor([0] * over + [1, 2, 3] * 6 + [1, 2]).unsqueeze(1)
+    assert over > expert_rows_limit(w13, w2) >= 7
     got, want = fused_moe_grouped(x, w13, w2, tw, ids), fused_moe_reference(x, w13, w2, tw, ids)
-    assert torch.equal(got[:200], want[:200])
+    assert torch.equal(got[:over], want[:over])
     assert (got - want).abs().max() <= TOL * want.abs().max()
-    parts = torch.zeros(220, x.shape[1])
+    parts = torch.zeros(over + 20, x.shape[1])
     for part in ({0}, {1, 3}, {2}):
         mask = torch.isin(ids, torch.tensor(sorted(part)))
         parts += fused_moe_grouped(x, w13, w2, tw, torch.where(mask, ids, -1))
