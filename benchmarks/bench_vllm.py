@@ -194,8 +194,8 @@ def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
         # torch's CPU _grouped_mm runs one aten::mm per expert: those mm calls are counted here
         # by the grouped op's total, and the plain-mm stage below is what remains
         "expert GEMMs (grouped)": ("_grouped_mm",),
-        "expert layers, few rows (compiled kernel)": ("batchgen::moe_small_rows",),
-        "dense projections, few rows (compiled kernel)": ("batchgen::linear_small_rows",),
+        "expert layers (compiled kernel)": ("batchgen::moe_small_rows",),
+        "dense projections, up to 256 rows (compiled kernel)": ("batchgen::linear_small_rows",),
         "paged attention (compiled kernel: decodes, short prompts)": ("batchgen::paged_decode_attention",),
         "prompt attention (SDPA, longer prompts)": ("sdpa", "scaled_dot_product"),
         "rope and KV write (compiled kernel)": ("batchgen::rope_kv_write",),

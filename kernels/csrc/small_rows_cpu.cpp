@@ -37,6 +37,9 @@
 #include <cstdint>
 #include <memory>
 #include <vector>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -137,18 +140,37 @@ constexpr int kLanes = 8;
 
 inline int64_t padded(int64_t m) { return (m + kLanes - 1) / kLanes * kLanes; }
 
-void pack_panels(const float* x, int64_t ldx, int m, int k_len, float* panels) {
-  for (int p = 0; p * kLanes < m; ++p) {
-    float* dst = panels + static_cast<int64_t>(p) * k_len * kLanes;
-    const int rows = m - p * kLanes < kLanes ? m - p * kLanes : kLanes;
-    for (int l = 0; l < kLanes; ++l) {
-      const float* src = x + (static_cast<int64_t>(p) * kLanes + l) * ldx;
-      if (l < rows)
-        for (int k = 0; k < k_len; ++k) dst[static_cast<int64_t>(k) * kLanes + l] = src[k];
-      else
-        for (int k = 0; k < k_len; ++k) dst[static_cast<int64_t>(k) * kLanes + l] = 0.f;
+// Panel p of x's m rows (row stride ldx): kLanes rows, those past m zero.
+void pack_panel(const float* x, int64_t ldx, int m, int k_len, int p, float* panels) {
+  float* dst = panels + static_cast<int64_t>(p) * k_len * kLanes;
+  const int rows = m - p * kLanes < kLanes ? m - p * kLanes : kLanes;
+  const float* src[kLanes];
+  for (int l = 0; l < rows; ++l) src[l] = x + (static_cast<int64_t>(p) * kLanes + l) * ldx;
+  int k = 0;
+#if defined(__AVX__)
+  if (rows == kLanes)  // eight by eight blocks through registers
+    for (; k + 8 <= k_len; k += 8) {
+      __m256 r[8], t[8];
+      for (int l = 0; l < 8; ++l) r[l] = _mm256_loadu_ps(src[l] + k);
+      for (int l = 0; l < 8; l += 2) {
+        t[l] = _mm256_unpacklo_ps(r[l], r[l + 1]);
+        t[l + 1] = _mm256_unpackhi_ps(r[l], r[l + 1]);
+      }
+      for (int l = 0; l < 8; l += 4)
+        for (int h = 0; h < 2; ++h) {
+          r[l + 2 * h] = _mm256_shuffle_ps(t[l + h], t[l + h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+          r[l + 2 * h + 1] = _mm256_shuffle_ps(t[l + h], t[l + h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+      // r[c], r[c + 4]: columns c and c + 4 of rows 0-3 and of rows 4-7, in their two halves
+      for (int c = 0; c < 4; ++c) {
+        float* d = dst + static_cast<int64_t>(k) * kLanes;
+        _mm256_storeu_ps(d + kLanes * c, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+        _mm256_storeu_ps(d + kLanes * (c + 4), _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+      }
     }
-  }
+#endif
+  for (; k < k_len; ++k)
+    for (int l = 0; l < kLanes; ++l) dst[static_cast<int64_t>(k) * kLanes + l] = l < rows ? src[l][k] : 0.f;
 }
 
 // out[(8 v + lane) * ldo + j] = sum over k of w[j][k] * panel v's lane, for the lanes below rows
@@ -242,17 +264,19 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 void moe_rows(int32_t num_threads, const float* x, const float* w13, const float* w2, const int64_t* starts,
               const uint8_t* take, float* y, int32_t num_experts, int32_t k_len, int32_t n_len) {
   const int n_blocks = (n_len + kBlock - 1) / kBlock, k_blocks = (k_len + kBlock - 1) / kBlock;
-  std::vector<int32_t> experts, packed;
+  std::vector<int32_t> experts;
+  std::vector<std::pair<int32_t, int32_t>> panels;  // (expert, panel) to pack
   std::vector<int64_t> at(num_experts + 1, 0);  // each expert's first row in the scratch (padded for panels)
   int64_t most = 0;  // rows of the largest expert taken
   for (int e = 0; e < num_experts; ++e) {
     const int64_t m = starts[e + 1] - starts[e];
     const bool active = take[e] && m > 0;
     if (active) experts.push_back(e), most = m > most ? m : most;
-    if (active && m > kPanelRows) packed.push_back(e);
+    if (active && m > kPanelRows)
+      for (int p = 0; p < padded(m) / kLanes; ++p) panels.emplace_back(e, p);
     at[e + 1] = at[e] + (!active ? 0 : m > kPanelRows ? padded(m) : m);
   }
-  const int64_t active = static_cast<int64_t>(experts.size()), num_packed = static_cast<int64_t>(packed.size());
+  const int64_t active = static_cast<int64_t>(experts.size()), num_panels = static_cast<int64_t>(panels.size());
   const int64_t items1 = active * n_blocks, items2 = active * k_blocks;
   // every entry written before it is read (the panels of x only for the packed experts)
   std::unique_ptr<float[]> xp(new float[at[num_experts] * k_len + 1]), h(new float[at[num_experts] * n_len + 1]);
@@ -262,9 +286,10 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
     std::unique_ptr<float[]> gate_up(new float[2 * most * kBlock]);
     float *gate = gate_up.get(), *up = gate + most * kBlock;
 #pragma omp for schedule(static)
-    for (int64_t a = 0; a < num_packed; ++a) {
-      const int e = packed[a];
-      pack_panels(x + starts[e] * k_len, k_len, static_cast<int>(starts[e + 1] - starts[e]), k_len, xp.get() + at[e] * k_len);
+    for (int64_t a = 0; a < num_panels; ++a) {
+      const int e = panels[a].first;
+      pack_panel(x + starts[e] * k_len, k_len, static_cast<int>(starts[e + 1] - starts[e]), k_len, panels[a].second,
+                 xp.get() + at[e] * k_len);
     }
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items1; ++item) {  // h = silu(x gate^T) * (x up^T)
@@ -327,15 +352,20 @@ int32_t batchgen_linear_small_rows(int32_t num_threads, const float* x, int64_t 
   if (m < 1) return 1;
   const int64_t items = (n_out + kBlock - 1) / kBlock;
   std::unique_ptr<float[]> panels(m > kPanelRows ? new float[padded(m) * k_len] : nullptr);
-  if (panels) pack_panels(x, ldx, m, k_len, panels.get());
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && items > 1)
-  for (int64_t item = 0; item < items; ++item) {
-    const int c0 = static_cast<int>(item) * kBlock;
-    const int n = c0 + kBlock < n_out ? kBlock : n_out - c0;
-    any_dots(panels ? panels.get() : x, ldx, m, w + static_cast<int64_t>(c0) * k_len, k_len, n, y + c0, n_out);
-    if (bias)
-      for (int i = 0; i < m; ++i)
-        for (int c = c0; c < c0 + n; ++c) y[static_cast<int64_t>(i) * n_out + c] += bias[c];
+  const int num_panels = panels ? static_cast<int>(padded(m) / kLanes) : 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
+  {
+#pragma omp for schedule(static)
+    for (int p = 0; p < num_panels; ++p) pack_panel(x, ldx, m, k_len, p, panels.get());
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; ++item) {
+      const int c0 = static_cast<int>(item) * kBlock;
+      const int n = c0 + kBlock < n_out ? kBlock : n_out - c0;
+      any_dots(panels ? panels.get() : x, ldx, m, w + static_cast<int64_t>(c0) * k_len, k_len, n, y + c0, n_out);
+      if (bias)
+        for (int i = 0; i < m; ++i)
+          for (int c = c0; c < c0 + n; ++c) y[static_cast<int64_t>(i) * n_out + c] += bias[c];
+    }
   }
   return 0;
 }
