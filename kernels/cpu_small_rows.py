@@ -31,14 +31,15 @@ from .errors import CpuKernelUnavailableError, KernelInputError
 # Weights that fit in cache keep sgemm. Measured on 2 AVX2 cores (bench_small_experts.py, and
 # each median of three ~0.4 s runs alternated against sgemm):
 # - experts, 8 of 1024 x 1024 (12 MiB each) and of 256 x 512 (1.5 MiB): two threads 1.3-4.4x at
-#   16-64 rows, 1.15-1.9x at 128-256, 1.01-1.4x at 384-2048; one thread 1.2-2.4x at 16-64 rows,
+#   16-64 rows, 1.0-1.9x at 128-256 (median 1.4x), 0.88-1.32x at 512 (median 1.26x), and 0.89-1.22x
+#   at 1024-2048, where the machine's drift hid any difference; one thread 1.2-2.4x at 16-64 rows,
 #   1.04-1.14x at 128, level at 512 (0.96-1.03x);
 # - dense 1024 x 1024, 1536 x 1024 and 1024 x 256: two threads 1.4-2x at 32-64 rows, 1.2-1.5x at
 #   128, 1.1-1.35x at 256, 1.04-1.09x at 384; one thread 1.1-1.5x at 16-64, level from 128;
 # - 512 x 256 (512 KiB, in cache): 0.85-0.94x from 256 rows; at 128 x 128 (192 KiB) one thread
 #   was 0.6-0.7x at 16-32 rows.
 EXPERT_ROWS_ONE_THREAD = 128
-EXPERT_ROWS_THREADS = 2048
+EXPERT_ROWS_THREADS = 512
 DENSE_ROWS_ONE_THREAD = 128
 DENSE_ROWS_THREADS = 256
 IN_CACHE_BYTES = 1 << 20  # weights of one product below this are taken as read from cache
