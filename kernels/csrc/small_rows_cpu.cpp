@@ -114,7 +114,8 @@ inline void dots_rows(const float* x, int64_t ldx, int m, const float* const* w,
 }
 
 // out[i * ldo + c] = dot(x row i, w row c) for the n consecutive weight rows at w (K apart), x in
-// rows (at most kPanelRows of them), three weight rows at a time: 4 x 3 accumulators, the weight and x registers fill AVX2's sixteen.
+// rows (at most kPanelRows of them), three weight rows at a time: 4 x 3 accumulators, the weight
+// and x registers fill AVX2's sixteen.
 inline void row_dots(const float* x, int64_t ldx, int m, const float* w, int k_len, int n, float* out,
                        int64_t ldo) {
   int c = 0;
@@ -227,15 +228,11 @@ inline void rows_in_tiles(const float* panels, int m, int p0, int groups, const 
 }
 
 // out[i * ldo + c] = dot(x row i, w row c) for the n consecutive weight rows at w (K apart), x
-// given as panels of its m rows (more than kPanelRows). Tiles of 12 accumulators where they fill up (with the operands,
-// 15 of AVX2's 16 registers): 6 weight rows x 2 panels, and for an odd number of panels 4 x 3 on
-// the last three; a lone panel takes 8 x 1 (eight chains keep both FMA pipes busy).
+// given as panels of its m rows (more than kPanelRows). Tiles of 12 accumulators where they fill
+// up (with the operands, 15 of AVX2's 16 registers): 6 weight rows x 2 panels, and for an odd
+// number of panels 4 x 3 on the last three (m > kPanelRows makes at least two panels).
 inline void panel_dots(const float* panels, int m, const float* w, int k_len, int n, float* out, int64_t ldo) {
   const int p = static_cast<int>((m + kLanes - 1) / kLanes);
-  if (p == 1) {
-    rows_in_tiles<8, 1>(panels, m, 0, 1, w, k_len, n, out, ldo);
-    return;
-  }
   const int pairs = p % 2 ? (p - 3) / 2 : p / 2;
   if (pairs) rows_in_tiles<6, 2>(panels, m, 0, pairs, w, k_len, n, out, ldo);
   if (p % 2) rows_in_tiles<4, 3>(panels, m, 2 * pairs, 1, w, k_len, n, out, ldo);
@@ -258,9 +255,9 @@ inline void any_dots(const float* x, int64_t ldx, int m, const float* w, int k_l
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // h = silu(x gate^T) * (x up^T), y = h w2^T for the rows of the experts flagged in `take`
-// (starts[e]..starts[e + 1]): all experts' rows split over the threads at
-// once. An expert with more than kPanelRows rows has x packed into panels first, and h written
-// as panels; one with fewer keeps both as rows.
+// (starts[e]..starts[e + 1]): all experts' rows split over the threads at once. An expert with
+// more than kPanelRows rows has x packed into panels first, and h written as panels; one with
+// fewer keeps both as rows.
 void moe_rows(int32_t num_threads, const float* x, const float* w13, const float* w2, const int64_t* starts,
               const uint8_t* take, float* y, int32_t num_experts, int32_t k_len, int32_t n_len) {
   const int n_blocks = (n_len + kBlock - 1) / kBlock, k_blocks = (k_len + kBlock - 1) / kBlock;
@@ -280,7 +277,9 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
   const int64_t items1 = active * n_blocks, items2 = active * k_blocks;
   // every entry written before it is read (the panels of x only for the packed experts)
   std::unique_ptr<float[]> xp(new float[at[num_experts] * k_len + 1]), h(new float[at[num_experts] * n_len + 1]);
-  auto x_of = [&](int e) { return starts[e + 1] - starts[e] > kPanelRows ? xp.get() + at[e] * k_len : x + starts[e] * k_len; };
+  auto x_of = [&](int e) {
+    return starts[e + 1] - starts[e] > kPanelRows ? xp.get() + at[e] * k_len : x + starts[e] * k_len;
+  };
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     std::unique_ptr<float[]> gate_up(new float[2 * most * kBlock]);
