@@ -1,5 +1,6 @@
-"""batchgen vs vLLM (CPU build) on the same CPU, model, requests and threads, in one run; with
-the machine's measured GEMM peak as the limit, and where batchgen's step time goes.
+"""batchgen vs vLLM (CPU build), and llama.cpp where asked, on the same CPU, model, requests and
+threads, in one run; with the machine's measured GEMM peak as the limit, and where batchgen's
+step time goes.
 
 Two Mixtral-layout MoE models are built at random with transformers' config classes:
 
@@ -17,6 +18,11 @@ subprocess per run; the script creates that virtualenv on first use (--vllm-venv
 loading and one warm-up batch are outside every timing. The sides alternate (--pairs), and the
 report gives each pair's ratio and their median: one run's margin is inside the noise here.
 
+With --llamacpp-converter (llama.cpp's convert_hf_to_gguf.py, from the llama-cpp-python source
+distribution; see bench_llamacpp.py), llama.cpp runs too: the checkpoint converted to GGUF f32,
+continuous batching as bench_llamacpp drives it. Its slot counts (--llamacpp-slots) are tried
+once first, and the fastest joins every pair (the three sides in rotating order).
+
 FLOPs counted from the config per token: the attention projections, the router, top_k experts
 and (for generated tokens) the LM head, 2 FLOPs a multiply-add, plus the attention's score and
 value products over the context. The share of the machine's peak is that over the run's wall
@@ -24,6 +30,8 @@ time against a large fp32 GEMM on the same threads (and bf16 where the CPU has A
 
     python benchmarks/bench_vllm.py --model small --pairs 3
     python benchmarks/bench_vllm.py --model compute --pairs 2 --breakdown
+    python benchmarks/bench_vllm.py --model small --pairs 3 \
+        --llamacpp-converter llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py
 """
 from __future__ import annotations
 
@@ -44,6 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
 from bench_engine import run_batchgen, workload  # noqa: E402
+from bench_llamacpp import convert, run_llamacpp  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
 # profiler ranges around the compiled CPU kernels (ctypes calls, which the profiler does not
@@ -245,7 +254,19 @@ def main() -> None:
     ap.add_argument("--check-rows", type=int, default=8, help="rows whose batchgen tokens must equal transformers'")
     ap.add_argument("--vllm-venv", type=Path, default=Path(__file__).resolve().parent / ".venvs" / "vllm")
     ap.add_argument("--breakdown", action="store_true", help="also profile one batchgen run by stage")
+    ap.add_argument("--llamacpp-converter", type=Path,
+                    help="llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist): run llama.cpp too")
+    ap.add_argument("--llamacpp-slots", default="8,16,32", help="llama.cpp slot counts to try; the fastest is used")
+    ap.add_argument("--llamacpp-n-batch", type=int, default=512, help="llama.cpp tokens per decode")
     args = ap.parse_args()
+    if args.llamacpp_converter is not None:
+        if not args.llamacpp_converter.is_file():
+            ap.error(f"--llamacpp-converter: no file {args.llamacpp_converter}")
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            ap.error("--llamacpp-converter needs llama-cpp-python: pip install '.[bench]' (builds llama.cpp)")
+    slot_counts = [int(v) for v in args.llamacpp_slots.split(",")]
     torch.set_flush_denormal(True)
     torch.set_num_threads(args.threads)
     python = ensure_vllm(args.vllm_venv)
@@ -259,17 +280,31 @@ def main() -> None:
         tokens = sum(lengths) + sum(map(len, prompts))
         job_flops = flops(config, prompts, lengths)
         run_batchgen(model_dir, prompts[:8], [4] * 8)  # warm-up: kernels compiled, pages touched
+        sides = ["vllm", "batchgen"]
+        sweep: dict[int, float] = {}
+        if args.llamacpp_converter is not None:
+            gguf = convert(model_dir, args.llamacpp_converter, Path(tmp) / f"{args.model}-f32.gguf")
+            for slots in slot_counts:
+                sweep[slots], _ = run_llamacpp(gguf, prompts, lengths, slots, args.threads, args.llamacpp_n_batch)
+                print(f"  llama.cpp, {slots} slots: {sweep[slots]:7.2f} s", file=sys.stderr)
+            best_slots = min(sweep, key=sweep.__getitem__)
+            sides.append("llama.cpp")
         t_vllm: list[float] = []
         t_bg: list[float] = []
+        t_lc: list[float] = []
         for i in range(args.pairs):
-            for side in (("vllm", "batchgen") if i % 2 == 0 else ("batchgen", "vllm")):
+            for side in sides[i % len(sides):] + sides[:i % len(sides)]:
                 if side == "vllm":
                     seconds, out_vllm = run_vllm(python, model_dir, prompts, lengths, args.threads, Path(tmp))
                     t_vllm.append(seconds)
-                else:
+                elif side == "batchgen":
                     seconds, _, out_bg = run_batchgen(model_dir, prompts, lengths)
                     t_bg.append(seconds)
-                print(f"  pair {i} {side:8s} {seconds:7.2f} s", file=sys.stderr)
+                else:
+                    seconds, out_lc = run_llamacpp(gguf, prompts, lengths, best_slots, args.threads,
+                                                   args.llamacpp_n_batch)
+                    t_lc.append(seconds)
+                print(f"  pair {i} {side:9s} {seconds:7.2f} s", file=sys.stderr)
         k = min(args.check_rows, args.rows)
         from tiny_models import reference_generate
 
@@ -283,16 +318,26 @@ def main() -> None:
     bf16 = f"{peak16 / 1e9:.1f} GFLOP/s" if peak16 is not None else "not native here, not measured"
     print(f"machine peak: fp32 GEMM {peak32 / 1e9:.1f} GFLOP/s, bf16 GEMM {bf16} "
           f"(torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()})")
-    for name, times in (("vLLM-CPU", t_vllm), ("batchgen", t_bg)):
+    engines = [("vLLM-CPU", t_vllm), ("batchgen", t_bg)]
+    if t_lc:
+        print(f"llama.cpp (GGUF f32, n_batch {args.llamacpp_n_batch}) by slot count, one run each: "
+              + ", ".join(f"{n}: {gen / t:.1f} tok/s" for n, t in sweep.items()) + f"; {best_slots} used")
+        engines.append(("llama.cpp", t_lc))
+    for name, times in engines:
         best = min(times)
         rate = job_flops / statistics.median(times)
         print(f"{name:9s}: {gen / statistics.median(times):8.1f} generated tok/s (median), best {gen / best:8.1f}; "
               f"{rate / 1e9:6.1f} GFLOP/s = {rate / peak32:5.1%} of the fp32 GEMM peak")
     print("batchgen / vLLM per pair: " + ", ".join(f"{r:.2f}x" for r in ratios)
           + f"; median {statistics.median(ratios):.2f}x")
+    if t_lc:
+        lc_ratios = [c / b for c, b in zip(t_lc, t_bg)]
+        print("batchgen / llama.cpp per pair: " + ", ".join(f"{r:.2f}x" for r in lc_ratios)
+              + f"; median {statistics.median(lc_ratios):.2f}x")
     agree = sum(a == b for a, b in zip(out_bg, out_vllm))
+    lc_agree = f"; llama.cpp on {sum(a == b for a, b in zip(out_bg, out_lc))}/{args.rows}" if t_lc else ""
     print(f"tokens: batchgen equals transformers on {same_hf}/{k} checked rows; vLLM equals batchgen on "
-          f"{agree}/{args.rows} rows")
+          f"{agree}/{args.rows} rows{lc_agree}")
     if stages:
         total = sum(s for _, s in stages)
         print("batchgen step breakdown (torch.profiler, one run; profiling slows it):")

@@ -53,8 +53,15 @@ def client(cluster: SpecCluster) -> Iterator[Client]:
         yield c
 
 
-def by_name(client: Client) -> dict[str, str]:
-    return {w["name"]: addr for addr, w in client.scheduler_info()["workers"].items()}
+def by_name(client: Client, expected: tuple[str, ...] = ("gpu-a", "gpu-b", "cpu-c")) -> dict[str, str]:
+    """Worker name -> address, once every expected name is registered (within 60 s): a worker its
+    nanny restarts is away for a moment, then back under its name at a new address."""
+    deadline = time.monotonic() + 60
+    while True:
+        names = {w["name"]: addr for addr, w in client.scheduler_info()["workers"].items()}
+        if set(expected) <= set(names) or time.monotonic() > deadline:
+            return names
+        time.sleep(0.2)
 
 
 def pipeline(src: Path, dst: Path, ckpt: Path) -> pd.DataFrame:
