@@ -141,7 +141,7 @@ def test_grouped_path_with_small_and_large_experts_matches_the_reference(T: int,
     threads; T=0 here: every expert past the kernel's limit, through sgemm, bit for bit."""
     K, N = 256, 512  # 1.5 MiB an expert: read from memory
     if T == 0:
-        T = E * (small_rows_limit(torch.get_num_threads(), 4 * 3 * K * N, experts=True) + 40)
+        T = E * (expert_rows_limit(*weights(E, K, N, seed=0)) + 40)
     inputs = make_inputs(T, E, A, K=K, N=N, seed=T)
     assert small_rows_enabled()
     got, want = fused_moe_grouped(*inputs), fused_moe_reference(*inputs)
@@ -206,7 +206,7 @@ def test_one_call_mixes_the_paths_by_each_experts_rows() -> None:
     """Expert 0 gets more rows than the kernel takes (sgemm: bit for bit the reference), the
     others a few each (the kernel); computed in parts, the one-call result exactly."""
     K, N = 256, 512
-    over = small_rows_limit(torch.get_num_threads(), 4 * 3 * K * N, experts=True) + 1
+    over = expert_rows_limit(*weights(4, K, N, seed=0)) + 1
     x, w13, w2, tw, _ = make_inputs(over + 20, 4, 1, K=K, N=N, seed=11)
     ids = torch.tensor([0] * over + [1, 2, 3] * 6 + [1, 2]).unsqueeze(1)
     assert over > expert_rows_limit(w13, w2) >= 7
