@@ -37,6 +37,9 @@
 #include <cstdint>
 #include <memory>
 #include <vector>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -113,11 +116,38 @@ inline void dots_rows(const float* x, int64_t ldx, int m, const float* const* w,
   }
 }
 
+// All M rows of x against the n weight rows at w (K apart), NW weight rows at a time: one pass
+// over the weights, each read from memory while all rows use it.
+template <int M, int NW>
+inline void one_pass(const float* x, int64_t ldx, const float* w, int k_len, int n, float* out, int64_t ldo) {
+  int c = 0;
+  for (; c + NW <= n; c += NW) {
+    const float* wr[NW];
+    for (int j = 0; j < NW; ++j) wr[j] = w + static_cast<int64_t>(c + j) * k_len;
+    dots<M, NW>(x, ldx, wr, k_len, out + c, ldo, static_cast<int64_t>(NW) * k_len);
+  }
+  for (; c < n; ++c) {
+    const float* wr[1] = {w + static_cast<int64_t>(c) * k_len};
+    dots<M, 1>(x, ldx, wr, k_len, out + c, ldo, k_len);
+  }
+}
+
 // out[i * ldo + c] = dot(x row i, w row c) for the n consecutive weight rows at w (K apart), x in
-// rows (at most kPanelRows of them), three weight rows at a time: 4 x 3 accumulators, the weight
-// and x registers fill AVX2's sixteen.
+// rows (at most kPanelRows of them). Up to four rows and at eight, three weight rows at a time:
+// 4 x 3 accumulators, the weight and x registers fill AVX2's sixteen (eight rows in two passes,
+// the second from cache). Five to seven rows take one pass, 5-6 x 2 and 7 x 1 accumulators: the
+// two passes spent the second's multiply-adds after the first's reads, and one pass took
+// 1.11-1.21x less time at 5-6 rows and 1.00-1.08x at 7 (8 experts of 1024 x 1024 read from
+// memory, 2 threads); at eight rows 8 x 1 (nine loads for eight multiply-adds) was 0.92x the two
+// passes. Every output is the same sum in either (eight partial sums over k, then a fixed tree).
 inline void row_dots(const float* x, int64_t ldx, int m, const float* w, int k_len, int n, float* out,
                        int64_t ldo) {
+  switch (m) {
+    case 5: return one_pass<5, 2>(x, ldx, w, k_len, n, out, ldo);
+    case 6: return one_pass<6, 2>(x, ldx, w, k_len, n, out, ldo);
+    case 7: return one_pass<7, 1>(x, ldx, w, k_len, n, out, ldo);
+    default: break;
+  }
   int c = 0;
   for (; c + 3 <= n; c += 3) {
     const float* wr[3] = {w + static_cast<int64_t>(c) * k_len, w + static_cast<int64_t>(c + 1) * k_len,
@@ -252,12 +282,52 @@ inline void any_dots(const float* x, int64_t ldx, int m, const float* w, int k_l
   else panel_dots(x, m, w, k_len, n, out, ldo);
 }
 
+// A phase's work items (an expert's block of weight rows each) split into `parts` contiguous
+// ranges of about equal cost. An item costs its expert's computed rows (padded to whole panels)
+// plus kBlockReadRows, rows whose multiply-adds take about as long as reading the block's
+// weights from memory. Split by count, one thread could take the experts with the most rows and
+// the others wait for it at the phase's end: replaying the expert layers of a decode run (8
+// experts of 1024 x 1024, 2 threads), that took 1.07-1.08x longer in its steps of 17-96 rows.
+// -> parts + 1 bounds, in items; item = expert's place in item_cost * blocks + block.
+constexpr int64_t kBlockReadRows = 8;
+
+std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& item_cost, int64_t blocks, int parts) {
+  double total = 0;
+  for (int64_t c : item_cost) total += static_cast<double>(c) * blocks;
+  const int64_t items = static_cast<int64_t>(item_cost.size()) * blocks;
+  std::vector<int64_t> bounds(parts + 1, items);
+  bounds[0] = 0;
+  double sum = 0;
+  int part = 1;
+  for (int64_t item = 0; item < items && part < parts; ++item) {
+    sum += static_cast<double>(item_cost[item / blocks]);
+    while (part < parts && sum >= total * part / parts) bounds[part++] = item + 1;
+  }
+  return bounds;
+}
+
+inline int team_size() {
+#if defined(_OPENMP)
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+inline int thread_in_team() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // h = silu(x gate^T) * (x up^T), y = h w2^T for the rows of the experts flagged in `take`
-// (starts[e]..starts[e + 1]): all experts' rows split over the threads at once. An expert with
-// more than kPanelRows rows has x packed into panels first, and h written as panels; one with
-// fewer keeps both as rows.
+// (starts[e]..starts[e + 1]): all experts' rows split over the threads at once, by cost
+// (balanced_bounds). An expert with more than kPanelRows rows has x packed into panels first, and
+// h written as panels; one with fewer keeps both as rows.
 void moe_rows(int32_t num_threads, const float* x, const float* w13, const float* w2, const int64_t* starts,
               const uint8_t* take, float* y, int32_t num_experts, int32_t k_len, int32_t n_len) {
   const int n_blocks = (n_len + kBlock - 1) / kBlock, k_blocks = (k_len + kBlock - 1) / kBlock;
@@ -274,9 +344,14 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
     at[e + 1] = at[e] + (!active ? 0 : m > kPanelRows ? padded(m) : m);
   }
   const int64_t active = static_cast<int64_t>(experts.size()), num_panels = static_cast<int64_t>(panels.size());
-  const int64_t items1 = active * n_blocks, items2 = active * k_blocks;
   // every entry written before it is read (the panels of x only for the packed experts)
   std::unique_ptr<float[]> xp(new float[at[num_experts] * k_len + 1]), h(new float[at[num_experts] * n_len + 1]);
+  std::vector<int64_t> item_cost(active);
+  for (int64_t a = 0; a < active; ++a) {
+    const int64_t m = starts[experts[a] + 1] - starts[experts[a]];
+    item_cost[a] = (m > kPanelRows ? padded(m) : m) + kBlockReadRows;
+  }
+  std::vector<int64_t> bounds1, bounds2;  // each thread's items in the two phases
   auto x_of = [&](int e) {
     return starts[e + 1] - starts[e] > kPanelRows ? xp.get() + at[e] * k_len : x + starts[e] * k_len;
   };
@@ -290,8 +365,13 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
       pack_panel(x + starts[e] * k_len, k_len, static_cast<int>(starts[e + 1] - starts[e]), k_len, panels[a].second,
                  xp.get() + at[e] * k_len);
     }
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < items1; ++item) {  // h = silu(x gate^T) * (x up^T)
+#pragma omp single
+    {  // (after the packing's barrier; by the team's size, which may be smaller than asked for)
+      bounds1 = balanced_bounds(item_cost, n_blocks, team_size());
+      bounds2 = balanced_bounds(item_cost, k_blocks, team_size());
+    }
+    const int me = thread_in_team();
+    for (int64_t item = bounds1[me]; item < bounds1[me + 1]; ++item) {  // h = silu(x gate^T) * (x up^T)
       const int e = experts[item / n_blocks];
       const int m = static_cast<int>(starts[e + 1] - starts[e]);
       const int j0 = static_cast<int>(item % n_blocks) * kBlock;
@@ -311,8 +391,8 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
           lane[static_cast<int64_t>(j0 + j) * kLanes] = i < m ? silu(gate[i * kBlock + j]) * up[i * kBlock + j] : 0.f;
       }
     }
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < items2; ++item) {  // y = h w2^T
+#pragma omp barrier
+    for (int64_t item = bounds2[me]; item < bounds2[me + 1]; ++item) {  // y = h w2^T
       const int e = experts[item / k_blocks];
       const int m = static_cast<int>(starts[e + 1] - starts[e]);
       const int c0 = static_cast<int>(item % k_blocks) * kBlock;

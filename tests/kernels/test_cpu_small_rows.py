@@ -47,6 +47,7 @@ def weights(E: int, K: int, N: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     (128, 96, [128, 4, 9, 1, 13]),  # the most rows the kernel takes
     (520, 531, [3, 9, 0, 6]),  # rows longer than 512: prefetched one group of rows ahead
     (37, 50, [17, 40, 24, 9, 16]),  # panels: 3 (the 4 x 3 tile), 5 (6 x 2 and 4 x 3), 2, 2 and 2
+    (48, 40, [5, 6, 7, 8, 4]),  # rows in one pass over the weights (5-7), and in two (8, 4)
 ])
 def test_kernel_matches_the_per_expert_reference(K: int, N: int, counts: list[int]) -> None:
     w13, w2 = weights(len(counts), K, N, seed=K)
@@ -55,6 +56,28 @@ def test_kernel_matches_the_per_expert_reference(K: int, N: int, counts: list[in
     moe_small_rows_cpu(rows, w13, w2, torch.tensor(counts), torch.ones(len(counts), dtype=torch.bool), out)
     want = expert_layer(rows, w13, w2, counts)
     assert (out - want).abs().max() <= TOL * want.abs().max()
+
+
+def test_uneven_experts_split_over_threads_by_cost_give_the_same_floats() -> None:
+    """The threads take ranges of (expert, block) items of about equal cost, cut inside an expert
+    where the costs fall so; how they are cut never changes a sum."""
+    counts = [40, 1, 0, 17, 6, 9, 64, 3, 5, 7]
+    w13, w2 = weights(len(counts), 64, 72, seed=5)
+    rows = torch.randn(sum(counts), 64, generator=torch.Generator().manual_seed(6))
+    want = expert_layer(rows, w13, w2, counts)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            out = torch.full_like(rows, float("nan"))
+            moe_small_rows_cpu(rows, w13, w2, torch.tensor(counts), torch.ones(len(counts), dtype=torch.bool), out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert (outs[0] - want).abs().max() <= TOL * want.abs().max()
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 def test_a_row_gets_the_same_result_whatever_it_is_batched_with() -> None:
