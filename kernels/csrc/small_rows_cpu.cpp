@@ -306,19 +306,16 @@ std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& item_cost, int6
   return bounds;
 }
 
-inline int team_size() {
-#if defined(_OPENMP)
-  return omp_get_num_threads();
-#else
-  return 1;
-#endif
-}
+struct Team {
+  int me, size;
+};
 
-inline int thread_in_team() {
+// This thread's place in the running parallel region's team (a team of one without OpenMP).
+inline Team this_team() {
 #if defined(_OPENMP)
-  return omp_get_thread_num();
+  return {omp_get_thread_num(), omp_get_num_threads()};
 #else
-  return 0;
+  return {0, 1};
 #endif
 }
 
@@ -365,12 +362,13 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
       pack_panel(x + starts[e] * k_len, k_len, static_cast<int>(starts[e + 1] - starts[e]), k_len, panels[a].second,
                  xp.get() + at[e] * k_len);
     }
+    const Team team = this_team();
 #pragma omp single
     {  // (after the packing's barrier; by the team's size, which may be smaller than asked for)
-      bounds1 = balanced_bounds(item_cost, n_blocks, team_size());
-      bounds2 = balanced_bounds(item_cost, k_blocks, team_size());
+      bounds1 = balanced_bounds(item_cost, n_blocks, team.size);
+      bounds2 = balanced_bounds(item_cost, k_blocks, team.size);
     }
-    const int me = thread_in_team();
+    const int me = team.me;
     for (int64_t item = bounds1[me]; item < bounds1[me + 1]; ++item) {  // h = silu(x gate^T) * (x up^T)
       const int e = experts[item / n_blocks];
       const int m = static_cast<int>(starts[e + 1] - starts[e]);
