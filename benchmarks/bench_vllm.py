@@ -266,7 +266,12 @@ def main() -> None:
             import llama_cpp  # noqa: F401
         except ImportError:
             ap.error("--llamacpp-converter needs llama-cpp-python: pip install '.[bench]' (builds llama.cpp)")
-    slot_counts = [int(v) for v in args.llamacpp_slots.split(",")]
+    try:
+        slot_counts = [int(v) for v in args.llamacpp_slots.split(",")]
+    except ValueError:
+        ap.error(f"--llamacpp-slots: comma-separated slot counts, got {args.llamacpp_slots!r}")
+    if any(n < 1 for n in slot_counts):
+        ap.error(f"--llamacpp-slots: slot counts must be at least 1, got {args.llamacpp_slots!r}")
     torch.set_flush_denormal(True)
     torch.set_num_threads(args.threads)
     python = ensure_vllm(args.vllm_venv)
