@@ -136,6 +136,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = lib.batchgen_moe_routed_small_rows
         fn.restype = i32
         fn.argtypes = [i32, ptr, i64, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr]
+    if hasattr(lib, "batchgen_moe_routed_tiled"):
+        fn = lib.batchgen_moe_routed_tiled
+        fn.restype = i32
+        fn.argtypes = [i32, ptr, i64, i32, ptr, ptr, ptr, ptr, i32, i32, i32, ptr]
     if hasattr(lib, "batchgen_linear_small_rows"):
         fn = lib.batchgen_linear_small_rows
         fn.restype = i32

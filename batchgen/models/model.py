@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen_kernels import linear_rows
+from batchgen_kernels.expert_tiles import tile_experts, tiles_supported
 
 from ..errors import ModelLoadError
 from ..offload import ExpertStore, HostExperts, StoreOptions, build_store, expert_tier_plan
@@ -100,7 +101,21 @@ class Model:
             experts = build_store(plan, path, num_experts, prefixes, spec.expert_names, *shapes, torch_dtype, dev,
                                   host_experts, expert_options or StoreOptions(),
                                   lambda layer, x: cls._route_ids(weights, moe_specs, layer, x))
+        elif dev.type == "cpu":
+            cls._tile_experts(weights, moe_specs)
         return cls(spec, weights, dev, torch_dtype, cfg, experts)
+
+    @staticmethod
+    def _tile_experts(weights: ModelWeights, moe_specs: dict[int, MoESpec]) -> None:
+        """Resident fp32 experts on the CPU are kept in tiles for the CPU kernel (batchgen_kernels.
+        expert_tiles), one layer at a time: the tiles replace the plain copy, so memory grows by
+        one layer's experts at most, briefly."""
+        for i in moe_specs:
+            f = weights.layers[i].ffn
+            assert isinstance(f, MoEWeights)
+            if f.w13 is not None and f.w2 is not None and tiles_supported(f.w13, f.w2):
+                f.tiles = tile_experts(f.w13, f.w2)
+                f.w13 = f.w2 = None
 
     @staticmethod
     def _route_ids(weights: ModelWeights, moe_specs: dict[int, MoESpec], layer: int, x: torch.Tensor) -> list[int]:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen_kernels import fused_moe, fused_moe_grouped, fused_moe_grouped_into, triton_available
+from batchgen_kernels.expert_tiles import moe_tiled_cpu
 
 from .layers import mlp
 from .spec import MoESpec, RouterSpec
@@ -62,7 +63,9 @@ def moe(x: torch.Tensor, w: MoEWeights, spec: MoESpec,
     if on_route is not None:
         on_route(ids)
     experts = fused_moe if x.is_cuda and triton_available() else fused_moe_grouped
-    if fetch is None:
+    if w.tiles is not None:
+        out = moe_tiled_cpu(x.contiguous(), w.tiles, weights.to(x.dtype).contiguous(), ids.contiguous())
+    elif fetch is None:
         assert w.w13 is not None and w.w2 is not None
         out = experts(x, w.w13, w.w2, weights.to(x.dtype), ids)
     elif x.is_cuda and triton_available():

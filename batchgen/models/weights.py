@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen_kernels.expert_tiles import ExpertTiles
+
 Tensor = torch.Tensor
 
 
@@ -19,11 +21,12 @@ class MLPWeights:
 @dataclass(slots=True)
 class MoEWeights:
     router: Tensor  # [E, H] (kept fp32, as transformers routes in fp32)
-    w13: Tensor | None  # [E, 2N, H]: gate rows then up rows of each expert; None: in the expert store (batchgen/offload)
+    w13: Tensor | None  # [E, 2N, H]: gate rows then up rows of each expert; None: in the expert store (batchgen/offload), or in `tiles`
     w2: Tensor | None  # [E, H, N]
     correction_bias: Tensor | None = None  # [E] deepseek_v3
     shared: MLPWeights | None = None
     shared_gate: Tensor | None = None  # [1, H] qwen2_moe
+    tiles: ExpertTiles | None = None  # fp32 experts resident on the CPU, tiled for its kernel (w13 and w2 None then)
 
 
 @dataclass(slots=True)

@@ -26,6 +26,15 @@
 // output is rounded times its weight, then the choices are summed in order from zero, as that
 // path's slot sum: the same floats as the kernel called through it.
 //
+// batchgen_moe_routed_tiled: batchgen_moe_routed_small_rows on experts stored in tiles (every
+// row count, no limit): w13t [E, 2N / 8, K, 8] and w2t [E, K / 8, N, 8], each weight matrix's rows
+// taken eight at a time and interleaved (tile[k * 8 + lane] = w[8 p + lane][k]); N and K multiples
+// of eight. One tile reads them (tiled_dots): an x element broadcast against eight weight rows'
+// lanes, rows of x never padded. Measured against the plain layout's kernel (8 experts of
+// 1024 x 1024 read from memory, 2 threads, equal rows per expert): 1.13-1.15x at 1-8 rows, 1.09-1.33x
+// at 9-17, level at 24, 1.04-1.14x at 32-512. Every output is one chain of fused multiply-adds over
+// k, summed in the same order whatever rows surround it: a row's result never depends on its batch.
+//
 // batchgen_linear_small_rows: x: [M, K] (row stride ldx), w: [Nout, K], bias: [Nout] or null;
 // y: [M, Nout] = x w^T + bias.
 //
@@ -33,6 +42,7 @@
 // other rows' values: a row's result is the same whatever it is batched with, as long as the
 // product has rows on the same side of kPanelRows (the two tiles sum in different orders: eight
 // partial sums over k then a fixed tree, against one chain over k).
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -268,6 +278,54 @@ inline void panel_dots(const float* panels, int m, const float* w, int k_len, in
   if (p % 2) rows_in_tiles<4, 3>(panels, m, 2 * pairs, 1, w, k_len, n, out, ldo);
 }
 
+// out[r * ldo + c] = dot(x row r, weight row c) for RM rows of x (row stride ldx) and the n <= 8 NV
+// weight rows of NV tiles (each k_len x 8, consecutive): each x element broadcast against a
+// tile's eight rows. RM x NV accumulators; 4 x 3 fills AVX2's registers with the operands.
+template <int RM, int NV>
+inline void tiled_tile(const float* x, int64_t ldx, const float* w, int k_len, float* out, int64_t ldo, int n) {
+  v8 acc[RM][NV];
+  for (int r = 0; r < RM; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = v8{};
+  const int64_t stride = static_cast<int64_t>(k_len) * kLanes;
+  for (int k = 0; k < k_len; ++k) {
+    v8 b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = load(w + v * stride + static_cast<int64_t>(k) * kLanes);
+    for (int r = 0; r < RM; ++r) {
+      const float s = x[r * ldx + k];
+      const v8 a = {s, s, s, s, s, s, s, s};
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < RM; ++r)
+    for (int v = 0; v < NV; ++v)
+      for (int l = 0; l < kLanes && v * kLanes + l < n; ++l) out[r * ldo + v * kLanes + l] = acc[r][v][l];
+}
+
+// All m rows of x, four at a time, against the NV tiles at w.
+template <int NV>
+inline void tiled_rows(const float* x, int64_t ldx, int m, const float* w, int k_len, float* out, int64_t ldo,
+                       int n) {
+  int i = 0;
+  for (; i + 4 <= m; i += 4) tiled_tile<4, NV>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo, n);
+  switch (m - i) {
+    case 3: tiled_tile<3, NV>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo, n); break;
+    case 2: tiled_tile<2, NV>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo, n); break;
+    case 1: tiled_tile<1, NV>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo, n); break;
+    default: break;
+  }
+}
+
+// out[i * ldo + c] = dot(x row i, w row c) for the n (a multiple of 8, at most 24) weight rows
+// whose tiles start at w.
+inline void tiled_dots(const float* x, int64_t ldx, int m, const float* w, int k_len, int n, float* out,
+                       int64_t ldo) {
+  switch ((n + kLanes - 1) / kLanes) {
+    case 3: return tiled_rows<3>(x, ldx, m, w, k_len, out, ldo, n);
+    case 2: return tiled_rows<2>(x, ldx, m, w, k_len, out, ldo, n);
+    default: return tiled_rows<1>(x, ldx, m, w, k_len, out, ldo, n);
+  }
+}
+
 constexpr int kBlock = 24;  // weight rows per work item
 // Up to this many rows, x is read as rows (row_dots): the products are bound by reading the
 // weights, which a weight vector per eight multiply-adds streams best. Above it, as panels
@@ -325,8 +383,15 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 // (starts[e]..starts[e + 1]): all experts' rows split over the threads at once, by cost
 // (balanced_bounds). An expert with more than kPanelRows rows has x packed into panels first, and
 // h written as panels; one with fewer keeps both as rows.
+// tiled: w13 and w2 in tiles (batchgen_moe_routed_tiled), every expert through tiled_dots with x
+// and h as rows. A block of kBlock weight rows starts at the same offset in either layout.
 void moe_rows(int32_t num_threads, const float* x, const float* w13, const float* w2, const int64_t* starts,
-              const uint8_t* take, float* y, int32_t num_experts, int32_t k_len, int32_t n_len) {
+              const uint8_t* take, float* y, int32_t num_experts, int32_t k_len, int32_t n_len, bool tiled = false) {
+  auto as_panels = [&](int64_t m) { return !tiled && m > kPanelRows; };
+  auto dots_of = [&](const float* xe, int64_t ldx, int m, const float* w, int k, int n, float* out, int64_t ldo) {
+    if (tiled) tiled_dots(xe, ldx, m, w, k, n, out, ldo);
+    else any_dots(xe, ldx, m, w, k, n, out, ldo);
+  };
   const int n_blocks = (n_len + kBlock - 1) / kBlock, k_blocks = (k_len + kBlock - 1) / kBlock;
   std::vector<int32_t> experts;
   std::vector<std::pair<int32_t, int32_t>> panels;  // (expert, panel) to pack
@@ -336,9 +401,9 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
     const int64_t m = starts[e + 1] - starts[e];
     const bool active = take[e] && m > 0;
     if (active) experts.push_back(e), most = m > most ? m : most;
-    if (active && m > kPanelRows)
+    if (active && as_panels(m))
       for (int p = 0; p < padded(m) / kLanes; ++p) panels.emplace_back(e, p);
-    at[e + 1] = at[e] + (!active ? 0 : m > kPanelRows ? padded(m) : m);
+    at[e + 1] = at[e] + (!active ? 0 : as_panels(m) ? padded(m) : m);
   }
   const int64_t active = static_cast<int64_t>(experts.size()), num_panels = static_cast<int64_t>(panels.size());
   // every entry written before it is read (the panels of x only for the packed experts)
@@ -346,11 +411,11 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
   std::vector<int64_t> item_cost(active);
   for (int64_t a = 0; a < active; ++a) {
     const int64_t m = starts[experts[a] + 1] - starts[experts[a]];
-    item_cost[a] = (m > kPanelRows ? padded(m) : m) + kBlockReadRows;
+    item_cost[a] = (as_panels(m) ? padded(m) : m) + kBlockReadRows;
   }
   std::vector<int64_t> bounds1, bounds2;  // each thread's items in the two phases
   auto x_of = [&](int e) {
-    return starts[e + 1] - starts[e] > kPanelRows ? xp.get() + at[e] * k_len : x + starts[e] * k_len;
+    return as_panels(starts[e + 1] - starts[e]) ? xp.get() + at[e] * k_len : x + starts[e] * k_len;
   };
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
@@ -375,10 +440,10 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
       const int j0 = static_cast<int>(item % n_blocks) * kBlock;
       const int n = j0 + kBlock < n_len ? kBlock : n_len - j0;
       const float* we = w13 + static_cast<int64_t>(e) * 2 * n_len * k_len;
-      any_dots(x_of(e), k_len, m, we + static_cast<int64_t>(j0) * k_len, k_len, n, gate, kBlock);
-      any_dots(x_of(e), k_len, m, we + static_cast<int64_t>(n_len + j0) * k_len, k_len, n, up, kBlock);
+      dots_of(x_of(e), k_len, m, we + static_cast<int64_t>(j0) * k_len, k_len, n, gate, kBlock);
+      dots_of(x_of(e), k_len, m, we + static_cast<int64_t>(n_len + j0) * k_len, k_len, n, up, kBlock);
       float* he = h.get() + at[e] * n_len;
-      if (m <= kPanelRows) {
+      if (!as_panels(m)) {
         for (int i = 0; i < m; ++i)
           for (int j = 0; j < n; ++j) he[i * n_len + j0 + j] = silu(gate[i * kBlock + j]) * up[i * kBlock + j];
         continue;
@@ -395,8 +460,8 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
       const int m = static_cast<int>(starts[e + 1] - starts[e]);
       const int c0 = static_cast<int>(item % k_blocks) * kBlock;
       const int n = c0 + kBlock < k_len ? kBlock : k_len - c0;
-      any_dots(h.get() + at[e] * n_len, n_len, m, w2 + (static_cast<int64_t>(e) * k_len + c0) * n_len, n_len, n,
-               y + starts[e] * k_len + c0, k_len);
+      dots_of(h.get() + at[e] * n_len, n_len, m, w2 + (static_cast<int64_t>(e) * k_len + c0) * n_len, n_len, n,
+              y + starts[e] * k_len + c0, k_len);
     }
   }
 }
@@ -415,6 +480,41 @@ void sum_choices(const float* y, const int64_t* pos, const float* weights, int n
     for (int a = 0; a < num_choices; ++a) sum += pos[a] >= 0 ? y[pos[a] * k_len + k] * weights[a] : 0.f;
     out[k] = sum;
   }
+}
+
+// The routed layer (batchgen_moe_routed_small_rows, batchgen_moe_routed_tiled).
+int32_t moe_routed(int32_t num_threads, const float* x, int64_t num_tokens, int32_t num_choices, const int64_t* ids,
+                   const float* weights, const float* w13, const float* w2, int32_t num_experts, int32_t k_len,
+                   int32_t n_len, int32_t max_rows, float* out, bool tiled) {
+  const int64_t slots = num_tokens * num_choices;
+  std::vector<int64_t> starts(num_experts + 1, 0);
+  for (int64_t s = 0; s < slots; ++s)
+    if (ids[s] >= 0 && ids[s] < num_experts) ++starts[ids[s] + 1];
+  for (int e = 0; e < num_experts; ++e) {
+    if (starts[e + 1] > max_rows) return 1;
+    starts[e + 1] += starts[e];
+  }
+  const int64_t routed = starts[num_experts];
+  std::vector<int64_t> pos(slots, -1), fill(starts.begin(), starts.end() - 1);
+  for (int64_t s = 0; s < slots; ++s)
+    if (ids[s] >= 0 && ids[s] < num_experts) pos[s] = fill[ids[s]]++;
+  // scratch, every entry written before it is read
+  std::unique_ptr<float[]> rows(new float[routed * k_len]), y(new float[routed * k_len]);
+  std::vector<uint8_t> take(num_experts);
+  for (int e = 0; e < num_experts; ++e) take[e] = starts[e + 1] > starts[e];
+  const bool parallel = num_threads > 1 && slots * k_len >= (1 << 15);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
+  for (int64_t s = 0; s < slots; ++s)
+    if (pos[s] >= 0)
+      for (int k = 0; k < k_len; ++k) rows[pos[s] * k_len + k] = x[(s / num_choices) * k_len + k];
+  if (routed > 0)
+    moe_rows(num_threads, rows.get(), w13, w2, starts.data(), take.data(), y.get(), num_experts, k_len, n_len,
+             tiled);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
+  for (int64_t t = 0; t < num_tokens; ++t)
+    sum_choices(y.get(), pos.data() + t * num_choices, weights + t * num_choices, num_choices, k_len,
+                out + t * k_len);
+  return 0;
 }
 
 }  // namespace
@@ -460,34 +560,17 @@ int32_t batchgen_moe_routed_small_rows(int32_t num_threads, const float* x, int6
                                        const int64_t* ids, const float* weights, const float* w13, const float* w2,
                                        int32_t num_experts, int32_t k_len, int32_t n_len, int32_t max_rows,
                                        float* out) {
-  const int64_t slots = num_tokens * num_choices;
-  std::vector<int64_t> starts(num_experts + 1, 0);
-  for (int64_t s = 0; s < slots; ++s)
-    if (ids[s] >= 0 && ids[s] < num_experts) ++starts[ids[s] + 1];
-  for (int e = 0; e < num_experts; ++e) {
-    if (starts[e + 1] > max_rows) return 1;
-    starts[e + 1] += starts[e];
-  }
-  const int64_t routed = starts[num_experts];
-  std::vector<int64_t> pos(slots, -1), fill(starts.begin(), starts.end() - 1);
-  for (int64_t s = 0; s < slots; ++s)
-    if (ids[s] >= 0 && ids[s] < num_experts) pos[s] = fill[ids[s]]++;
-  // scratch, every entry written before it is read
-  std::unique_ptr<float[]> rows(new float[routed * k_len]), y(new float[routed * k_len]);
-  std::vector<uint8_t> take(num_experts);
-  for (int e = 0; e < num_experts; ++e) take[e] = starts[e + 1] > starts[e];
-  const bool parallel = num_threads > 1 && slots * k_len >= (1 << 15);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-  for (int64_t s = 0; s < slots; ++s)
-    if (pos[s] >= 0)
-      for (int k = 0; k < k_len; ++k) rows[pos[s] * k_len + k] = x[(s / num_choices) * k_len + k];
-  if (routed > 0)
-    moe_rows(num_threads, rows.get(), w13, w2, starts.data(), take.data(), y.get(), num_experts, k_len, n_len);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-  for (int64_t t = 0; t < num_tokens; ++t)
-    sum_choices(y.get(), pos.data() + t * num_choices, weights + t * num_choices, num_choices, k_len,
-                out + t * k_len);
-  return 0;
+  return moe_routed(num_threads, x, num_tokens, num_choices, ids, weights, w13, w2, num_experts, k_len, n_len,
+                    max_rows, out, false);
+}
+
+// Returns 0 (w13t, w2t: tiles; n_len and k_len multiples of 8).
+int32_t batchgen_moe_routed_tiled(int32_t num_threads, const float* x, int64_t num_tokens, int32_t num_choices,
+                                  const int64_t* ids, const float* weights, const float* w13t, const float* w2t,
+                                  int32_t num_experts, int32_t k_len, int32_t n_len, float* out) {
+  return moe_routed(num_threads, x, num_tokens, num_choices, ids, weights, w13t, w2t, num_experts, k_len, n_len,
+                    INT32_MAX, out, true);
 }
 
 }  // extern "C"
+

@@ -281,10 +281,12 @@ def test_experts_whose_weights_fit_in_cache_keep_sgemm() -> None:
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "llama"])
 def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
         monkeypatch: pytest.MonkeyPatch, checkpoint_factory, prompt_ids, family: str) -> None:
-    """The tiny test checkpoints fit in cache, where the kernel stays off: force it on for every
-    fp32 product with few rows, and greedy tokens still equal transformers'."""
+    """The tiny test checkpoints fit in cache, where the kernels stay off: force them on for
+    every fp32 product with few rows (the experts then in tiles, every expert layer one call of
+    the tiled kernel), and greedy tokens still equal transformers'."""
     import tiny_models
 
+    import batchgen.models.moe as moe_stage
     from batchgen import Engine, SamplingParams
     from batchgen_kernels import cpu_small_rows
 
@@ -293,6 +295,8 @@ def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
     for name in ("linear_small_rows_unchecked", "moe_small_rows_cpu", "moe_routed_small_rows_cpu"):
         real = getattr(cpu_small_rows, name)
         monkeypatch.setattr(cpu_small_rows, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    tiled = moe_stage.moe_tiled_cpu
+    monkeypatch.setattr(moe_stage, "moe_tiled_cpu", lambda *a: calls.append("moe_tiled_cpu") or tiled(*a))
     import batchgen_kernels.grouped_moe as grouped_moe
 
     monkeypatch.setattr(grouped_moe, "moe_small_rows_cpu", cpu_small_rows.moe_small_rows_cpu)
@@ -303,7 +307,7 @@ def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
     outs = Engine(model_dir, dtype="float32", device="cpu").generate(prompts, params)
     if family == "llama":
         assert set(calls) == {"linear_small_rows_unchecked"}
-    else:  # every expert layer here has few rows: one kernel call each
-        assert set(calls) == {"linear_small_rows_unchecked", "moe_routed_small_rows_cpu"}
+    else:  # every expert layer, prompts included: one call of the tiled kernel
+        assert set(calls) == {"linear_small_rows_unchecked", "moe_tiled_cpu"}
     assert [o.token_ids for o in outs] == [tiny_models.reference_generate(model_dir, p, 8, ignore_eos=True)
                                            for p in prompts]

@@ -1,0 +1,102 @@
+"""Experts in tiles (kernels/expert_tiles.py, the tiled path of csrc/small_rows_cpu.cpp) against
+`fused_moe_reference` on the plain weights; a row's result never depends on its batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen_kernels import KernelInputError, cpu_small_rows, fused_moe_reference
+from batchgen_kernels.expert_tiles import moe_tiled_cpu, tile_experts, tiles_supported
+
+pytestmark = pytest.mark.skipif(not cpu_small_rows.cpu_small_rows_available(),
+                                reason="the CPU small-row kernels do not build here")
+TOL = 1e-5  # relative to the output's largest entry: fp32 sums in another order
+
+
+def layer(E: int, K: int, N: int, T: int, A: int, seed: int, skew: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = torch.randn(E, 2 * N, K, generator=g) / K ** 0.5, torch.randn(E, K, N, generator=g) / N ** 0.5
+    x = torch.randn(T, K, generator=g)
+    prefs = torch.rand(E, generator=g) ** skew  # uneven experts, some with few rows or none
+    ids = torch.stack([torch.multinomial(prefs, A, generator=g) for _ in range(T)])
+    return x, w13, w2, torch.rand(T, A, generator=g), ids
+
+
+def test_tiles_interleave_eight_weight_rows_along_k() -> None:
+    _, w13, w2, _, _ = layer(3, 16, 24, 1, 1, seed=0)
+    tiles = tile_experts(w13, w2)
+    assert tiles.w13.shape == (3, 6, 16, 8) and tiles.w2.shape == (3, 2, 24, 8)
+    assert torch.equal(tiles.w13[2, 1, 5], w13[2, 8:16, 5]) and torch.equal(tiles.w2[1, 1, 7], w2[1, 8:16, 7])
+    back13, back2 = tiles.untiled()
+    assert torch.equal(back13, w13) and torch.equal(back2, w2)
+
+
+@pytest.mark.parametrize(("E", "K", "N", "T", "A", "skew"), [
+    (8, 64, 32, 1, 2, 1.0),       # one token
+    (4, 40, 24, 37, 2, 3.0),      # hidden 40 (five vectors), width 24 (three tiles), skewed
+    (6, 128, 96, 77, 3, 1.0),     # three choices
+    (8, 256, 16, 600, 2, 0.5),    # hundreds of rows an expert, width of two tiles
+    (5, 72, 8, 9, 1, 8.0),        # one tile of width; nearly every row on one expert
+])
+def test_tiled_layer_matches_the_reference(E: int, K: int, N: int, T: int, A: int, skew: float) -> None:
+    x, w13, w2, tw, ids = layer(E, K, N, T, A, seed=K + N + T, skew=skew)
+    got = moe_tiled_cpu(x, tile_experts(w13, w2), tw, ids)
+    want = fused_moe_reference(x, w13, w2, tw, ids)
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+
+
+def test_unrouted_choices_add_nothing() -> None:
+    x, w13, w2, tw, ids = layer(4, 32, 16, 6, 2, seed=3)
+    ids[1, 0], ids[4, 1], ids[5] = -1, 4, -1  # below 0 or past the last expert: unrouted
+    got = moe_tiled_cpu(x, tile_experts(w13, w2), tw, ids)
+    keep = (ids >= 0) & (ids < 4)
+    want = fused_moe_reference(x, w13, w2, tw * keep, ids.clamp(0, 3))
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+    assert torch.equal(got[5], torch.zeros(32))
+
+
+def test_a_row_gives_the_same_floats_alone_in_any_batch_and_on_any_threads() -> None:
+    """The tile sums every output in one order whatever surrounds it: 1, 9, 17 or 300 rows of
+    an expert, 1-5 threads."""
+    x, w13, w2, tw, ids = layer(8, 64, 48, 300, 2, seed=4, skew=2.0)
+    tiles = tile_experts(w13, w2)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            outs.append(moe_tiled_cpu(x, tiles, tw, ids))
+        for rows in (slice(0, 1), slice(40, 49), slice(100, 117)):
+            alone = moe_tiled_cpu(x[rows].contiguous(), tiles, tw[rows].contiguous(), ids[rows].contiguous())
+            assert torch.equal(alone, outs[0][rows])
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+def test_bad_shapes_and_dtypes_are_named() -> None:
+    _, w13, w2, _, _ = layer(2, 16, 12, 1, 1, seed=5)
+    with pytest.raises(KernelInputError, match="multiples of 8"):
+        tile_experts(w13, w2)  # width 12
+    _, w13, w2, tw, ids = layer(2, 16, 8, 3, 1, seed=6)
+    with pytest.raises(KernelInputError, match="float32"):
+        tile_experts(w13.double(), w2)
+    tiles = tile_experts(w13, w2)
+    with pytest.raises(KernelInputError, match=r"x must be \[3, 16\]"):
+        moe_tiled_cpu(torch.zeros(3, 15), tiles, tw, ids)
+    with pytest.raises(KernelInputError, match="topk_ids"):
+        moe_tiled_cpu(torch.zeros(3, 16), tiles, tw, ids.int())
+
+
+def test_only_experts_past_the_cache_are_tiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In cache sgemm wins at every row count (cpu_small_rows.IN_CACHE_BYTES); widths that are
+    not multiples of eight, other dtypes, and the kernel turned off keep the plain layout."""
+    _, w13, w2, _, _ = layer(2, 16, 8, 1, 1, seed=7)
+    assert not tiles_supported(w13, w2)
+    monkeypatch.setattr(cpu_small_rows, "IN_CACHE_BYTES", 0)
+    assert tiles_supported(w13, w2)
+    assert not tiles_supported(w13.double(), w2.double())
+    assert not tiles_supported(*layer(2, 16, 12, 1, 1, seed=8)[1:3])
+    monkeypatch.setenv("BATCHGEN_SMALL_ROWS_KERNEL", "0")
+    assert not tiles_supported(w13, w2)
