@@ -31,6 +31,7 @@ import torch
 from bench_engine import generate_in_batches, run_batchgen, workload
 
 from batchgen import Engine
+from batchgen.models.weights import MoEWeights
 from batchgen.offload.disk import DiskExperts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # the checkpoint builders
@@ -40,10 +41,16 @@ from demo_builder import build_demo_model  # noqa: E402
 def expert_bytes(model_dir: Path) -> tuple[int, int]:
     """(routed expert bytes, all weight bytes) of the checkpoint in the engine's fp32."""
     engine = Engine(model_dir, dtype="float32", kv_cache_bytes=1 << 20)
-    experts = sum(l.ffn.w13.numel() + l.ffn.w2.numel() for l in engine.model.weights.layers
-                  if getattr(l.ffn, "w13", None) is not None) * 4
+    experts = sum(_expert_numel(l.ffn) for l in engine.model.weights.layers if isinstance(l.ffn, MoEWeights)) * 4
     total = sum(p.numel() * p.element_size() for p in _tensors(engine.model.weights))
     return experts, total
+
+
+def _expert_numel(ffn: MoEWeights) -> int:
+    if ffn.tiles is not None:  # resident fp32 experts on the CPU, tiled at load
+        return ffn.tiles.w13.numel() + ffn.tiles.w2.numel()
+    assert ffn.w13 is not None and ffn.w2 is not None
+    return ffn.w13.numel() + ffn.w2.numel()
 
 
 def _tensors(obj: object) -> list[torch.Tensor]:

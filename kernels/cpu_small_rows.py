@@ -13,6 +13,9 @@ and each weight broadcast against them, which needs half the cache traffic a mul
 `moe_routed_small_rows_cpu` runs a whole routed layer (sort by expert, gather, experts,
 weighted sum over the choices) in one call, the floats of the grouped path's operators around
 `moe_small_rows_cpu`.
+
+These take experts in the plain layout (the offload store's, and any passed in). A CPU model's
+own resident fp32 experts are kept in tiles instead and run through expert_tiles.py.
 """
 from __future__ import annotations
 

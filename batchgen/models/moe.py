@@ -1,7 +1,9 @@
 """MoE stage: router (softmax/sigmoid, grouped top-k, correction bias, scaling) and experts.
 
-The expert computation itself lives in `batchgen_kernels` (Triton on CUDA, grouped GEMMs over
-expert-sorted tokens elsewhere, checked against the torch reference); this module only decides which tokens go where and with what weight.
+The expert computation itself lives in `batchgen_kernels` (Triton on CUDA, the tiled CPU kernel
+for experts a CPU model keeps in tiles, grouped GEMMs over expert-sorted tokens elsewhere, each
+checked against the torch reference); this module only decides which tokens go where and with
+what weight.
 """
 from __future__ import annotations
 
