@@ -20,7 +20,6 @@ these shapes).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -77,9 +76,7 @@ def tiles_supported(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     E, K, N = w2.shape
     return (w13.dtype == w2.dtype == torch.float32 and w13.device.type == w2.device.type == "cpu"
             and w13.shape == (E, 2 * N, K) and N % LANES == 0 and K % LANES == 0
-            and 3 * N * K * 4 >= cpu_small_rows.IN_CACHE_BYTES
-            and os.environ.get("BATCHGEN_SMALL_ROWS_KERNEL", "1") != "0"
-            and cpu_kernels("small_rows_cpu") is not None)
+            and 3 * N * K * 4 >= cpu_small_rows.IN_CACHE_BYTES and cpu_small_rows.small_rows_enabled())
 
 
 def tile_experts(w13: torch.Tensor, w2: torch.Tensor) -> ExpertTiles:
@@ -105,7 +102,10 @@ def moe_tiled_cpu(x: torch.Tensor, tiles: ExpertTiles, topk_weights: torch.Tenso
                                         f"{cpu_kernels_error('small_rows_cpu')}")
     E, K, N = tiles.num_experts, tiles.hidden, tiles.width
     T, A = topk_ids.shape if topk_ids.dim() == 2 else (-1, -1)
-    for name, t in (("x", x), ("topk_weights", topk_weights)):
+    if tiles.w13.shape != (E, 2 * N // LANES, K, LANES) or tiles.w2.shape != (E, K // LANES, N, LANES):
+        raise KernelInputError(f"tiles must be [E, 2N / {LANES}, K, {LANES}] and [E, K / {LANES}, N, {LANES}], got "
+                               f"{tuple(tiles.w13.shape)} and {tuple(tiles.w2.shape)}")
+    for name, t in (("x", x), ("topk_weights", topk_weights), ("tiles.w13", tiles.w13), ("tiles.w2", tiles.w2)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise KernelInputError(f"{name} must be a contiguous CPU float32 tensor, got {t.dtype} on {t.device}")
     if topk_ids.dtype != torch.int64 or topk_ids.device.type != "cpu" or not topk_ids.is_contiguous():

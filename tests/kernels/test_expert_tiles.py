@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchgen_kernels import KernelInputError, cpu_small_rows, fused_moe_reference
-from batchgen_kernels.expert_tiles import moe_tiled_cpu, tile_experts, tiles_supported
+from batchgen_kernels.expert_tiles import ExpertTiles, moe_tiled_cpu, tile_experts, tiles_supported
 
 pytestmark = pytest.mark.skipif(not cpu_small_rows.cpu_small_rows_available(),
                                 reason="the CPU small-row kernels do not build here")
@@ -87,6 +87,11 @@ def test_bad_shapes_and_dtypes_are_named() -> None:
         moe_tiled_cpu(torch.zeros(3, 15), tiles, tw, ids)
     with pytest.raises(KernelInputError, match="topk_ids"):
         moe_tiled_cpu(torch.zeros(3, 16), tiles, tw, ids.int())
+    with pytest.raises(KernelInputError, match="tiles.w2 must be a contiguous CPU float32"):
+        moe_tiled_cpu(torch.zeros(3, 16), ExpertTiles(tiles.w13, tiles.w2.transpose(2, 3).contiguous().transpose(2, 3)),
+                      tw, ids)
+    with pytest.raises(KernelInputError, match="tiles must be"):
+        moe_tiled_cpu(torch.zeros(3, 16), ExpertTiles(tiles.w13, tiles.w2[:1]), tw, ids)
 
 
 def test_only_experts_past_the_cache_are_tiled(monkeypatch: pytest.MonkeyPatch) -> None:
