@@ -278,7 +278,7 @@ def test_experts_whose_weights_fit_in_cache_keep_sgemm() -> None:
     assert torch.equal(fused_moe_grouped(*inputs), fused_moe_reference(*inputs))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "llama"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "llama"])
 def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
         monkeypatch: pytest.MonkeyPatch, checkpoint_factory, prompt_ids, family: str) -> None:
     """The tiny test checkpoints fit in cache, where the kernels stay off: force them on for
