@@ -278,19 +278,27 @@ def test_experts_whose_weights_fit_in_cache_keep_sgemm() -> None:
     assert torch.equal(fused_moe_grouped(*inputs), fused_moe_reference(*inputs))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "llama"])
+@pytest.mark.parametrize(("family", "tiles"), [
+    *((f, tiles) for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+      for tiles in (True, False)),
+    ("llama", False),
+])
 def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
-        monkeypatch: pytest.MonkeyPatch, checkpoint_factory, prompt_ids, family: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, checkpoint_factory, prompt_ids, family: str, tiles: bool) -> None:
     """The tiny test checkpoints fit in cache, where the kernels stay off: force them on for
-    every fp32 product with few rows (the experts then in tiles, every expert layer one call of
-    the tiled kernel), and greedy tokens still equal transformers'."""
+    every fp32 product with few rows, and greedy tokens still equal transformers'. With tiles
+    (what a CPU model does with experts past the cache) every expert layer is one call of the
+    tiled kernel; without, the plain layout's one-call kernel (every expert here has few rows)."""
     import tiny_models
 
+    import batchgen.models.model as model_module
     import batchgen.models.moe as moe_stage
     from batchgen import Engine, SamplingParams
     from batchgen_kernels import cpu_small_rows
 
     monkeypatch.setattr(cpu_small_rows, "IN_CACHE_BYTES", 0)
+    if not tiles:
+        monkeypatch.setattr(model_module, "tiles_supported", lambda w13, w2: False)
     calls: list[str] = []
     for name in ("linear_small_rows_unchecked", "moe_small_rows_cpu", "moe_routed_small_rows_cpu"):
         real = getattr(cpu_small_rows, name)
@@ -307,7 +315,7 @@ def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
     outs = Engine(model_dir, dtype="float32", device="cpu").generate(prompts, params)
     if family == "llama":
         assert set(calls) == {"linear_small_rows_unchecked"}
-    else:  # every expert layer, prompts included: one call of the tiled kernel
-        assert set(calls) == {"linear_small_rows_unchecked", "moe_tiled_cpu"}
+    else:
+        assert set(calls) == {"linear_small_rows_unchecked", "moe_tiled_cpu" if tiles else "moe_routed_small_rows_cpu"}
     assert [o.token_ids for o in outs] == [tiny_models.reference_generate(model_dir, p, 8, ignore_eos=True)
                                            for p in prompts]
