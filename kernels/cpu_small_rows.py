@@ -79,7 +79,8 @@ def small_rows_enabled() -> bool:
     return os.environ.get("BATCHGEN_SMALL_ROWS_KERNEL", "1") != "0" and cpu_small_rows_available()
 
 
-def _library() -> Any:
+def small_rows_library() -> Any:
+    """The compiled library; CpuKernelUnavailableError naming why where it cannot be built."""
     lib = cpu_kernels("small_rows_cpu")
     if lib is None:
         raise CpuKernelUnavailableError(f"the CPU small-row kernels are unavailable: "
@@ -87,7 +88,8 @@ def _library() -> Any:
     return lib
 
 
-def _check_fp32(**tensors: torch.Tensor) -> None:
+def check_fp32(**tensors: torch.Tensor) -> None:
+    """KernelInputError naming the first tensor that is not contiguous CPU float32."""
     for name, t in tensors.items():
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise KernelInputError(f"{name} must be a contiguous CPU float32 tensor, got {t.dtype} on {t.device}")
@@ -109,8 +111,8 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_small_rows_cpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] fp32 (unit last stride), M >= 1; w: [Nout, K]; bias: [Nout] or None -> x w^T + bias."""
-    lib = _library()
-    _check_fp32(w=w, **({"bias": bias} if bias is not None else {}))
+    lib = small_rows_library()
+    check_fp32(w=w, **({"bias": bias} if bias is not None else {}))
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
         raise KernelInputError(f"x must be a CPU float32 [M, K] tensor with unit last stride, got {tuple(x.shape)} "
                                f"{x.dtype} on {x.device}")
@@ -138,9 +140,9 @@ def moe_small_rows_cpu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     """rows: [R, K] fp32, grouped by expert (counts [E] rows each, in expert order); w13:
     [E, 2N, K]; w2: [E, K, N]; take: [E] bool. Writes silu(x gate^T) * (x up^T) @ w2^T into
     out [R, K] for the rows of the experts taken; other rows are left."""
-    lib = _library()
+    lib = small_rows_library()
     E, K, N = w2.shape
-    _check_fp32(rows=rows, w13=w13, w2=w2, out=out)
+    check_fp32(rows=rows, w13=w13, w2=w2, out=out)
     R = rows.shape[0]
     if rows.shape != (R, K) or out.shape != (R, K) or w13.shape != (E, 2 * N, K):
         raise KernelInputError(f"rows and out must be [R, {K}] and w13 [{E}, {2 * N}, {K}], got "
@@ -161,9 +163,9 @@ def moe_routed_small_rows_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     [T, K], the floats the grouped path gives with every expert through the kernel (slots sorted
     stably by expert, each weighted, summed over A in order). None, with nothing computed, when
     an expert has more than max_rows rows."""
-    lib = _library()
+    lib = small_rows_library()
     E, K, N = w2.shape
-    _check_fp32(x=x, w13=w13, w2=w2, topk_weights=topk_weights)
+    check_fp32(x=x, w13=w13, w2=w2, topk_weights=topk_weights)
     T, A = topk_ids.shape
     if x.shape != (T, K) or w13.shape != (E, 2 * N, K) or topk_weights.shape != (T, A):
         raise KernelInputError(f"x must be [{T}, {K}], w13 [{E}, {2 * N}, {K}] and topk_weights [{T}, {A}], got "

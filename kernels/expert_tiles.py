@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_small_rows
-from ._cpu_build import cpu_kernels, cpu_kernels_error
-from .errors import CpuKernelUnavailableError, KernelInputError
+from .errors import KernelInputError
 
 LANES = 8  # weight rows a tile interleaves (the kernel's kLanes)
 
@@ -96,21 +95,17 @@ def moe_tiled_cpu(x: torch.Tensor, tiles: ExpertTiles, topk_weights: torch.Tenso
     """The routed expert layer: x [T, K] fp32; topk_weights [T, A] fp32; topk_ids [T, A] int64
     (outside [0, E): unrouted) -> [T, K], `fused_moe_reference(x, *tiles.untiled(), ...)`
     within fp32 rounding."""
-    lib = cpu_kernels("small_rows_cpu")
-    if lib is None:
-        raise CpuKernelUnavailableError(f"the CPU small-row kernels are unavailable: "
-                                        f"{cpu_kernels_error('small_rows_cpu')}")
+    lib = cpu_small_rows.small_rows_library()
     E, K, N = tiles.num_experts, tiles.hidden, tiles.width
-    T, A = topk_ids.shape if topk_ids.dim() == 2 else (-1, -1)
     if tiles.w13.shape != (E, 2 * N // LANES, K, LANES) or tiles.w2.shape != (E, K // LANES, N, LANES):
         raise KernelInputError(f"tiles must be [E, 2N / {LANES}, K, {LANES}] and [E, K / {LANES}, N, {LANES}], got "
                                f"{tuple(tiles.w13.shape)} and {tuple(tiles.w2.shape)}")
-    for name, t in (("x", x), ("topk_weights", topk_weights), ("tiles.w13", tiles.w13), ("tiles.w2", tiles.w2)):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise KernelInputError(f"{name} must be a contiguous CPU float32 tensor, got {t.dtype} on {t.device}")
-    if topk_ids.dtype != torch.int64 or topk_ids.device.type != "cpu" or not topk_ids.is_contiguous():
-        raise KernelInputError(f"topk_ids must be a contiguous CPU int64 [T, A] tensor, got {topk_ids.dtype} on "
-                               f"{topk_ids.device}")
+    cpu_small_rows.check_fp32(**{"x": x, "topk_weights": topk_weights, "tiles.w13": tiles.w13, "tiles.w2": tiles.w2})
+    if (topk_ids.dim() != 2 or topk_ids.dtype != torch.int64 or topk_ids.device.type != "cpu"
+            or not topk_ids.is_contiguous()):
+        raise KernelInputError(f"topk_ids must be a contiguous CPU int64 [T, A] tensor, got {tuple(topk_ids.shape)} "
+                               f"{topk_ids.dtype} on {topk_ids.device}")
+    T, A = topk_ids.shape
     if x.shape != (T, K) or topk_weights.shape != (T, A):
         raise KernelInputError(f"x must be [{T}, {K}] and topk_weights [{T}, {A}], got {tuple(x.shape)} and "
                                f"{tuple(topk_weights.shape)}")

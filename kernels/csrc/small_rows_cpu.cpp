@@ -42,7 +42,6 @@
 // other rows' values: a row's result is the same whatever it is batched with, as long as the
 // product has rows on the same side of kPanelRows (the two tiles sum in different orders: eight
 // partial sums over k then a fixed tree, against one chain over k).
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <memory>
