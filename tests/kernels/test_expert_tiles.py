@@ -75,6 +75,19 @@ def test_a_row_gives_the_same_floats_alone_in_any_batch_and_on_any_threads() -> 
         assert torch.equal(out, outs[0])
 
 
+def test_scratch_kept_between_calls_of_any_size() -> None:
+    """The kernel keeps its scratch between calls (up to 64 MiB a buffer; a larger call gets its
+    own): calls that grow it, fit in it and pass that limit each give the reference's result."""
+    E, K, N = 4, 2048, 8
+    _, w13, w2, _, _ = layer(E, K, N, 1, 2, seed=9)
+    tiles = tile_experts(w13, w2)
+    for T in (5, 600, 7, 4100, 9):  # 4100 tokens x 2 choices x 2048 floats: past the kept size
+        x, _, _, tw, ids = layer(E, K, N, T, 2, seed=T)
+        got = moe_tiled_cpu(x, tiles, tw, ids)
+        want = fused_moe_reference(x, w13, w2, tw, ids)
+        assert (got - want).abs().max() <= TOL * want.abs().max(), T
+
+
 def test_bad_shapes_and_dtypes_are_named() -> None:
     _, w13, w2, _, _ = layer(2, 16, 12, 1, 1, seed=5)
     with pytest.raises(KernelInputError, match="multiples of 8"):
