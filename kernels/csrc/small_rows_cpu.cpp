@@ -70,28 +70,29 @@ constexpr int kPrefetchLen = 512;
 
 inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 
-// Scratch kept between calls by the thread that asks for it, up to kKeptFloats a buffer (larger
-// requests get a buffer of their own for the call). At prompt sizes the routed layer's scratch is
-// tens of MiB, and a fresh allocation that size is a fresh mapping whose pages fault in, zeroed,
-// on every call: measured 10% of a layer at 512 rows an expert (8 experts of 1024 x 1024).
-class Scratch {
- public:
-  float* get(int64_t floats) {
-    if (floats <= size_) return kept_.get();
-    if (floats > kKeptFloats) {
-      own_.reset(new float[floats]);
-      return own_.get();
-    }
-    kept_.reset(new float[floats]);
-    size_ = floats;
-    return kept_.get();
-  }
-
- private:
-  static constexpr int64_t kKeptFloats = int64_t{16} << 20;  // 64 MiB
-  std::unique_ptr<float[]> kept_, own_;
-  int64_t size_ = 0;
+// Scratch kept between calls by the thread that asks for it, up to kKeptFloats a buffer. At prompt
+// sizes the routed layer's scratch is tens of MiB, and a fresh allocation that size is a fresh
+// mapping whose pages fault in, zeroed, on every call: measured 10% of a layer at 512 rows an
+// expert (8 experts of 1024 x 1024).
+struct Scratch {
+  std::unique_ptr<float[]> kept;
+  int64_t size = 0;
 };
+constexpr int64_t kKeptFloats = int64_t{16} << 20;  // 64 MiB
+
+// -> room for `floats` floats: `scratch`'s buffer (grown as needed) up to kKeptFloats, past it a
+// buffer of the call's own in `spill`, freed with it.
+inline float* room(Scratch& scratch, int64_t floats, std::unique_ptr<float[]>& spill) {
+  if (floats > kKeptFloats) {
+    spill.reset(new float[floats]);
+    return spill.get();
+  }
+  if (floats > scratch.size) {
+    scratch.kept.reset(new float[floats]);
+    scratch.size = floats;
+  }
+  return scratch.kept.get();
+}
 
 inline float hsum(v8 v) {
   const float a = (v[0] + v[4]) + (v[2] + v[6]);
@@ -472,8 +473,9 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
   const int64_t active = static_cast<int64_t>(experts.size()), num_panels = static_cast<int64_t>(panels.size());
   // every entry written before it is read (the panels of x only for the packed experts)
   thread_local Scratch xp_scratch, h_scratch;
-  float* const xp = num_panels ? xp_scratch.get(at[num_experts] * k_len) : nullptr;
-  float* const h = h_scratch.get(at[num_experts] * n_len + 1);
+  std::unique_ptr<float[]> xp_spill, h_spill;
+  float* const xp = num_panels ? room(xp_scratch, at[num_experts] * k_len, xp_spill) : nullptr;
+  float* const h = room(h_scratch, at[num_experts] * n_len + 1, h_spill);
   std::vector<int64_t> item_cost(active);
   for (int64_t a = 0; a < active; ++a) {
     const int64_t m = starts[experts[a] + 1] - starts[experts[a]];
@@ -486,7 +488,8 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     thread_local Scratch gate_up;
-    float *gate = gate_up.get(2 * most * kBlock), *up = gate + most * kBlock;
+    std::unique_ptr<float[]> gate_up_spill;
+    float *gate = room(gate_up, 2 * most * kBlock, gate_up_spill), *up = gate + most * kBlock;
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < num_panels; ++a) {
       const int e = panels[a].first;
@@ -578,7 +581,9 @@ int32_t moe_routed(int32_t num_threads, const float* x, int64_t num_tokens, int3
     if (ids[s] >= 0 && ids[s] < num_experts) pos[s] = fill[ids[s]]++;
   // scratch, every entry written before it is read
   thread_local Scratch rows_scratch, y_scratch;
-  float *const rows = rows_scratch.get(routed * k_len), *const y = y_scratch.get(routed * k_len);
+  std::unique_ptr<float[]> rows_spill, y_spill;
+  float* const rows = room(rows_scratch, routed * k_len, rows_spill);
+  float* const y = room(y_scratch, routed * k_len, y_spill);
   std::vector<uint8_t> take(num_experts);
   for (int e = 0; e < num_experts; ++e) take[e] = starts[e + 1] > starts[e];
   const bool parallel = num_threads > 1 && slots * k_len >= (1 << 15);
