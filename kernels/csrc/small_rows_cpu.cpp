@@ -377,8 +377,8 @@ constexpr int kBlock = 24;  // weight rows per work item
 // From this many rows an expert, a tiled work item prefetches the next item's weights into L2 as
 // it computes (tiled_tile's Ahead): at a few rows an expert the hardware prefetcher only follows
 // the block being read, so reading the weights and the multiply-adds otherwise take turns.
-// Measured (8 experts of 1024 x 1024 from memory, 2 threads, Zen 4): 1.13-1.27x at 6-24 rows an
-// expert, 1.05-1.1x at 32-64, level at 512; at 1-2 rows, where reading is all there is, 0.97x.
+// Measured (8 experts of 1024 x 1024 from memory, 2 threads, Zen 4): 1.13-1.34x at 6-24 rows an
+// expert, 1.03-1.12x at 32-64, level at 512; at 1-2 rows, where reading is all there is, 0.97x.
 constexpr int kAheadRows = 3;
 // Up to this many rows, x is read as rows (row_dots): the products are bound by reading the
 // weights, which a weight vector per eight multiply-adds streams best. Above it, as panels
