@@ -28,6 +28,14 @@ _LIBRARIES = {"paged_attention_cpu": [], "rope_kv_cpu": ["-ffp-contract=off"], "
 # decode shapes here (dk 32-128); then native, then portable; OpenMP threads, else SIMD only.
 _FLAG_SETS = (["-O3", "-march=x86-64-v3", "-fopenmp"], ["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"],
               ["-O3", "-fopenmp-simd"])
+# The CPU features each -march level needs (it is skipped where the CPU lacks one).
+_LEVEL_FEATURES = {"-march=x86-64-v3": ("avx2", "fma", "bmi2", "movbe"),
+                   "-march=x86-64-v4": ("avx2", "fma", "bmi2", "movbe", "avx512f", "avx512bw", "avx512cd",
+                                        "avx512dq", "avx512vl")}
+# Flag sets a library tries before _FLAG_SETS: the small-row kernels' expert tiles take sixteen
+# lanes with AVX-512 (csrc/small_rows_cpu.cpp, TileShape), 1.02-1.10x the eight-lane ones; the
+# rest of that library measured level in either build.
+_FIRST_FLAG_SETS = {"small_rows_cpu": (["-O3", "-march=x86-64-v4", "-fopenmp"],)}
 _BASE_FLAGS = ["-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
 BUILD_TIMEOUT_S = 180
 
@@ -94,8 +102,10 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"cannot run {cxx} or read {name}.cpp: {exc}"
     errors = []
     cpu = _cpu_flags()
-    for flags in (f + _LIBRARIES[name] for f in _FLAG_SETS):
-        if "-march=x86-64-v3" in flags and not all(f" {f}" in cpu for f in ("avx2", "fma", "bmi2", "movbe")):
+    features = set(cpu.split())
+    for flags in (f + _LIBRARIES[name] for f in (*_FIRST_FLAG_SETS.get(name, ()), *_FLAG_SETS)):
+        level = next((f for f in flags if f in _LEVEL_FEATURES), None)
+        if level is not None and not set(_LEVEL_FEATURES[level]) <= features:
             continue
         key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_BASE_FLAGS + flags).encode(),
                                          cpu.encode()])).hexdigest()[:16]
@@ -139,7 +149,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "batchgen_moe_routed_tiled"):
         fn = lib.batchgen_moe_routed_tiled
         fn.restype = i32
-        fn.argtypes = [i32, ptr, i64, i32, ptr, ptr, ptr, ptr, i32, i32, i32, ptr]
+        fn.argtypes = [i32, ptr, i64, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr]
+    if hasattr(lib, "batchgen_tile_lanes"):
+        lib.batchgen_tile_lanes.restype = i32
+        lib.batchgen_tile_lanes.argtypes = []
     if hasattr(lib, "batchgen_linear_small_rows"):
         fn = lib.batchgen_linear_small_rows
         fn.restype = i32

@@ -1,22 +1,24 @@
 """Experts stored in tiles for the CPU (csrc/small_rows_cpu.cpp, `batchgen_moe_routed_tiled`).
 
-Each weight matrix's rows are taken eight at a time and interleaved along k: w13 [E, 2N, K] is
-kept as [E, 2N / 8, K, 8] and w2 [E, K, N] as [E, K / 8, N, 8] (tile[k, lane] = w[8 p + lane, k]).
-One kernel tile reads them for every row count: an x element broadcast against eight weight rows,
-so rows of x are never padded to a panel of eight, and the weights stream as one contiguous run
-per eight rows. The whole routed layer (gather by expert, the experts, the weighted sum over the
-choices) is one call for any number of rows: no sgemm path is left, since the tiles are the only
-copy of the experts.
+Each weight matrix's rows are taken L at a time and interleaved along k: w13 [E, 2N, K] is kept
+as [E, 2N / L, K, L] and w2 [E, K, N] as [E, K / L, N, L] (tile[k, lane] = w[L p + lane, k]). L,
+the tiles' lanes, is 16 where the kernel is built with AVX-512 and N and K are multiples of 16,
+else 8 (`tile_lanes`). One kernel tile reads them for every row count: an x element broadcast
+against L weight rows, so rows of x are never padded to a panel, and the weights stream as one
+contiguous run per L rows. The whole routed layer (gather by expert, the experts, the weighted sum
+over the choices) is one call for any number of rows: no sgemm path is left, since the tiles are
+the only copy of the experts.
 
 Every output is one chain of fused multiply-adds over k, in the same order whatever rows are
-batched with it: a row's result never depends on its batch (the plain layout's kernel changes
-its order at PANEL_ROWS). The reference is `fused_moe_reference` on the untiled weights; they
-agree within fp32 rounding.
+batched with it and whatever L: a row's result never depends on its batch (the plain layout's
+kernel changes its order at PANEL_ROWS), and 8- and 16-lane tiles give the same floats. The
+reference is `fused_moe_reference` on the untiled weights; they agree within fp32 rounding.
 
 Measured against the plain layout's kernel (8 experts of 1024 x 1024 read from memory, 2 AVX2
 threads, equal rows per expert, alternated builds): 1.13-1.15x at 1-8 rows an expert, 1.09-1.33x
 at 9-17, level at 24, 1.04-1.14x at 32-512 (166 GFLOP/s at 512, the rate of torch's sgemm on
-these shapes).
+these shapes). Sixteen lanes against eight (Zen 4, the same experts): 1.09-1.10x at 8-16 rows,
+1.04-1.07x at 32-64, 1.02x at 512.
 """
 from __future__ import annotations
 
@@ -27,12 +29,12 @@ import torch
 from . import cpu_small_rows
 from .errors import KernelInputError
 
-LANES = 8  # weight rows a tile interleaves (the kernel's kLanes)
+LANE_COUNTS = (8, 16)  # weight rows a tile may interleave (the kernel's TileShape)
 
 
 @dataclass(frozen=True, slots=True)
 class ExpertTiles:
-    """The routed experts of one MoE layer, tiled: w13 [E, 2N / 8, K, 8], w2 [E, K / 8, N, 8]."""
+    """The routed experts of one MoE layer, tiled: w13 [E, 2N / L, K, L], w2 [E, K / L, N, L]."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -49,14 +51,18 @@ class ExpertTiles:
     def width(self) -> int:  # N
         return self.w2.shape[2]
 
+    @property
+    def lanes(self) -> int:  # L
+        return self.w13.shape[3]
+
     def untiled(self) -> tuple[torch.Tensor, torch.Tensor]:
         """w13 [E, 2N, K] and w2 [E, K, N] again (new tensors)."""
         return _untile(self.w13), _untile(self.w2)
 
 
-def _tile(w: torch.Tensor) -> torch.Tensor:
+def _tile(w: torch.Tensor, lanes: int) -> torch.Tensor:
     E, rows, k = w.shape
-    return w.view(E, rows // LANES, LANES, k).transpose(2, 3).contiguous()
+    return w.view(E, rows // lanes, lanes, k).transpose(2, 3).contiguous()
 
 
 def _untile(t: torch.Tensor) -> torch.Tensor:
@@ -74,20 +80,40 @@ def tiles_supported(w13: torch.Tensor, w2: torch.Tensor) -> bool:
         return False
     E, K, N = w2.shape
     return (w13.dtype == w2.dtype == torch.float32 and w13.device.type == w2.device.type == "cpu"
-            and w13.shape == (E, 2 * N, K) and N % LANES == 0 and K % LANES == 0
+            and w13.shape == (E, 2 * N, K) and N % 8 == 0 and K % 8 == 0
             and 3 * N * K * 4 >= cpu_small_rows.IN_CACHE_BYTES and cpu_small_rows.small_rows_enabled())
 
 
-def tile_experts(w13: torch.Tensor, w2: torch.Tensor) -> ExpertTiles:
-    """w13 [E, 2N, K] and w2 [E, K, N] (fp32, N and K multiples of eight) as tiles."""
+def widest_lanes() -> int:
+    """The widest tiles the kernel built here takes: 16 with AVX-512, else 8."""
+    return int(cpu_small_rows.small_rows_library().batchgen_tile_lanes())
+
+
+def tile_lanes(hidden: int, width: int) -> int:
+    """The lanes to tile experts of this hidden size (K) and width (N) with here: the widest the
+    kernel takes that divides both, at least 8 (KernelInputError when 8 does not)."""
+    for lanes in sorted(LANE_COUNTS, reverse=True):
+        if lanes <= widest_lanes() and hidden % lanes == 0 and width % lanes == 0:
+            return lanes
+    raise KernelInputError(f"tiled experts need N = {width} and K = {hidden} multiples of 8")
+
+
+def tile_experts(w13: torch.Tensor, w2: torch.Tensor, lanes: int | None = None) -> ExpertTiles:
+    """w13 [E, 2N, K] and w2 [E, K, N] (fp32, N and K multiples of `lanes`) as tiles of `lanes`
+    lanes (8 or 16; None: `tile_lanes`)."""
     if w13.dim() != 3 or w2.dim() != 3 or w13.dtype != torch.float32 or w2.dtype != torch.float32:
         raise KernelInputError(f"w13 and w2 must be 3-D float32 tensors, got {tuple(w13.shape)} {w13.dtype} and "
                                f"{tuple(w2.shape)} {w2.dtype}")
     E, K, N = w2.shape
-    if w13.shape != (E, 2 * N, K) or N % LANES or K % LANES:
-        raise KernelInputError(f"w13 must be [{E}, {2 * N}, {K}] with N = {N} and K = {K} multiples of {LANES}, "
-                               f"got w13 {tuple(w13.shape)}")
-    return ExpertTiles(_tile(w13), _tile(w2))
+    if w13.shape != (E, 2 * N, K):
+        raise KernelInputError(f"w13 must be [{E}, {2 * N}, {K}] for w2 {tuple(w2.shape)}, got {tuple(w13.shape)}")
+    if lanes is None:
+        lanes = tile_lanes(K, N)
+    if lanes not in LANE_COUNTS:
+        raise KernelInputError(f"tiles have 8 or 16 lanes, not {lanes}")
+    if N % lanes or K % lanes:
+        raise KernelInputError(f"tiles of {lanes} lanes need N = {N} and K = {K} multiples of {lanes}")
+    return ExpertTiles(_tile(w13, lanes), _tile(w2, lanes))
 
 
 def moe_tiled_cpu(x: torch.Tensor, tiles: ExpertTiles, topk_weights: torch.Tensor,
@@ -96,10 +122,16 @@ def moe_tiled_cpu(x: torch.Tensor, tiles: ExpertTiles, topk_weights: torch.Tenso
     (outside [0, E): unrouted) -> [T, K], `fused_moe_reference(x, *tiles.untiled(), ...)`
     within fp32 rounding."""
     lib = cpu_small_rows.small_rows_library()
-    E, K, N = tiles.num_experts, tiles.hidden, tiles.width
-    if tiles.w13.shape != (E, 2 * N // LANES, K, LANES) or tiles.w2.shape != (E, K // LANES, N, LANES):
-        raise KernelInputError(f"tiles must be [E, 2N / {LANES}, K, {LANES}] and [E, K / {LANES}, N, {LANES}], got "
+    if tiles.w13.dim() != 4 or tiles.w2.dim() != 4 or tiles.lanes not in LANE_COUNTS:
+        raise KernelInputError(f"tiles must be [E, 2N / L, K, L] and [E, K / L, N, L] with L 8 or 16, got "
                                f"{tuple(tiles.w13.shape)} and {tuple(tiles.w2.shape)}")
+    E, K, N, L = tiles.num_experts, tiles.hidden, tiles.width, tiles.lanes
+    if tiles.w13.shape != (E, 2 * N // L, K, L) or tiles.w2.shape != (E, K // L, N, L):
+        raise KernelInputError(f"tiles must be [E, 2N / L, K, L] and [E, K / L, N, L], got "
+                               f"{tuple(tiles.w13.shape)} and {tuple(tiles.w2.shape)}")
+    if L > widest_lanes():
+        raise KernelInputError(f"tiles of {L} lanes: the kernel built on this CPU takes 8"
+                               f"{' or 16' if widest_lanes() == 16 else ''} (re-tile the experts here)")
     cpu_small_rows.check_fp32(**{"x": x, "topk_weights": topk_weights, "tiles.w13": tiles.w13, "tiles.w2": tiles.w2})
     if (topk_ids.dim() != 2 or topk_ids.dtype != torch.int64 or topk_ids.device.type != "cpu"
             or not topk_ids.is_contiguous()):
@@ -110,7 +142,9 @@ def moe_tiled_cpu(x: torch.Tensor, tiles: ExpertTiles, topk_weights: torch.Tenso
         raise KernelInputError(f"x must be [{T}, {K}] and topk_weights [{T}, {A}], got {tuple(x.shape)} and "
                                f"{tuple(topk_weights.shape)}")
     out = torch.empty(T, K, dtype=torch.float32)
-    lib.batchgen_moe_routed_tiled(torch.get_num_threads(), x.data_ptr(), T, A, topk_ids.data_ptr(),
-                                  topk_weights.data_ptr(), tiles.w13.data_ptr(), tiles.w2.data_ptr(), E, K, N,
-                                  out.data_ptr())
+    status = lib.batchgen_moe_routed_tiled(torch.get_num_threads(), x.data_ptr(), T, A, topk_ids.data_ptr(),
+                                           topk_weights.data_ptr(), tiles.w13.data_ptr(), tiles.w2.data_ptr(), E, K,
+                                           N, L, out.data_ptr())
+    if status != 0:  # (checked above; a build that disagrees with batchgen_tile_lanes would land here)
+        raise KernelInputError(f"the CPU kernel refused tiles of {L} lanes")
     return out

@@ -26,14 +26,15 @@
 // output is rounded times its weight, then the choices are summed in order from zero, as that
 // path's slot sum: the same floats as the kernel called through it.
 //
-// batchgen_moe_routed_tiled: batchgen_moe_routed_small_rows on experts stored in tiles (every
-// row count, no limit): w13t [E, 2N / 8, K, 8] and w2t [E, K / 8, N, 8], each weight matrix's rows
-// taken eight at a time and interleaved (tile[k * 8 + lane] = w[8 p + lane][k]); N and K multiples
-// of eight. One tile reads them (tiled_dots): an x element broadcast against eight weight rows'
-// lanes, rows of x never padded. Measured against the plain layout's kernel (8 experts of
-// 1024 x 1024 read from memory, 2 threads, equal rows per expert): 1.13-1.15x at 1-8 rows, 1.09-1.33x
-// at 9-17, level at 24, 1.04-1.14x at 32-512. Every output is one chain of fused multiply-adds over
-// k, summed in the same order whatever rows surround it: a row's result never depends on its batch.
+// batchgen_moe_routed_tiled: batchgen_moe_routed_small_rows on experts stored in tiles of L lanes
+// (every row count, no limit): w13t [E, 2N / L, K, L] and w2t [E, K / L, N, L], each weight
+// matrix's rows taken L at a time and interleaved (tile[k * L + lane] = w[L p + lane][k]); N and K
+// multiples of L. L is 8, or 16 in a build with AVX-512 (batchgen_tile_lanes). One tile reads them
+// (tiled_dots): an x element broadcast against L weight rows' lanes, rows of x never padded.
+// Measured against the plain layout's kernel (8 experts of 1024 x 1024 read from memory, 2 AVX2
+// threads, equal rows per expert, L = 8): 1.13-1.15x at 1-8 rows, 1.09-1.33x at 9-17, level at 24,
+// 1.04-1.14x at 32-512. Every output is one chain of fused multiply-adds over k, summed in the same
+// order whatever rows surround it and whatever L: a row's result never depends on its batch.
 //
 // batchgen_linear_small_rows: x: [M, K] (row stride ldx), w: [Nout, K], bias: [Nout] or null;
 // y: [M, Nout] = x w^T + bias.
@@ -310,25 +311,53 @@ struct Ahead {
   int64_t lines = 0;
 };
 
-// out[r * ldo + c] = dot(x row r, weight row c) for RM rows of x (row stride ldx) and the n <= 8 NV
-// weight rows of NV tiles (each k_len x 8, consecutive): each x element broadcast against a
-// tile's eight rows. RM x NV accumulators; 4 x 3 fills AVX2's registers with the operands.
-// ahead's lines are spread evenly over the k loop.
-template <int RM, int NV>
+// A tiled kernel's registers, by its tiles' lanes (weight rows a tile interleaves): eight on AVX2
+// (ymm: RM x NV = 4 x 3 accumulators, the weight and x registers fill its sixteen), sixteen where
+// AVX-512 is built in (zmm: 8 x 3 accumulators of its 32 registers). The
+// sixteen-lane tiles measured 1.09-1.10x the eight-lane ones at 8-16 rows an expert, 1.04-1.07x at
+// 32-64, 1.02x at 512 (8 experts of 1024 x 1024 from memory, 2 threads, Zen 4, builds alternated):
+// about the same multiply-add rate (Zen 4 runs a zmm multiply-add as two ymm halves), from half the
+// instructions and loads. 12 x 2 was 0.86-0.89x, 5 x 4 and 7 x 3 level or worse. The outputs are
+// the same floats either way: one chain of multiply-adds over k for each.
+template <int L>
+struct TileShape;
+template <>
+struct TileShape<8> {
+  typedef float vec __attribute__((vector_size(32)));
+  typedef float vec_u __attribute__((vector_size(32), aligned(4), may_alias));
+  static constexpr int rows = 4, tiles = 3;
+};
+#if defined(__AVX512F__)
+constexpr int kWidestLanes = 16;
+template <>
+struct TileShape<16> {
+  typedef float vec __attribute__((vector_size(64)));
+  typedef float vec_u __attribute__((vector_size(64), aligned(4), may_alias));
+  static constexpr int rows = 8, tiles = 3;
+};
+#else
+constexpr int kWidestLanes = 8;
+#endif
+
+// out[r * ldo + c] = dot(x row r, weight row c) for RM rows of x (row stride ldx) and the n <= L NV
+// weight rows of NV tiles (each k_len x L, consecutive): each x element broadcast against a tile's
+// L rows. ahead's lines are spread evenly over the k loop.
+template <int L, int RM, int NV>
 inline void tiled_tile(const float* x, int64_t ldx, const float* w, int k_len, float* out, int64_t ldo, int n,
                        Ahead ahead = {}) {
+  typedef typename TileShape<L>::vec vec;
+  typedef typename TileShape<L>::vec_u vec_u;
   const char* next = ahead.at;
   int64_t due = 0;  // ahead.lines per k_len steps, as whole lines (Bresenham)
-  v8 acc[RM][NV];
+  vec acc[RM][NV];
   for (int r = 0; r < RM; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = v8{};
-  const int64_t stride = static_cast<int64_t>(k_len) * kLanes;
+    for (int v = 0; v < NV; ++v) acc[r][v] = vec{};
+  const int64_t stride = static_cast<int64_t>(k_len) * L;
   for (int k = 0; k < k_len; ++k) {
-    v8 b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = load(w + v * stride + static_cast<int64_t>(k) * kLanes);
+    vec b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = *reinterpret_cast<const vec_u*>(w + v * stride + static_cast<int64_t>(k) * L);
     for (int r = 0; r < RM; ++r) {
-      const float s = x[r * ldx + k];
-      const v8 a = {s, s, s, s, s, s, s, s};
+      const vec a = x[r * ldx + k] - vec{};  // (the element in every lane)
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
     if (ahead.lines) {
@@ -337,15 +366,26 @@ inline void tiled_tile(const float* x, int64_t ldx, const float* w, int k_len, f
   }
   for (int r = 0; r < RM; ++r)
     for (int v = 0; v < NV; ++v)
-      for (int l = 0; l < kLanes && v * kLanes + l < n; ++l) out[r * ldo + v * kLanes + l] = acc[r][v][l];
+      for (int l = 0; l < L && v * L + l < n; ++l) out[r * ldo + v * L + l] = acc[r][v][l];
 }
 
-// All m rows of x, four at a time, against the NV tiles at w; ahead's lines shared out over the
-// passes.
-template <int NV>
+// The last m < RM rows of a tiled_rows call, in one tile of m rows.
+template <int L, int NV, int RM>
+inline void tiled_last_rows(const float* x, int64_t ldx, int m, const float* w, int k_len, float* out, int64_t ldo,
+                            int n, Ahead ahead) {
+  if constexpr (RM > 1) {
+    if (m < RM) return tiled_last_rows<L, NV, RM - 1>(x, ldx, m, w, k_len, out, ldo, n, ahead);
+  }
+  tiled_tile<L, RM, NV>(x, ldx, w, k_len, out, ldo, n, ahead);
+}
+
+// All m rows of x, TileShape<L>::rows at a time, against the NV tiles at w; ahead's lines shared
+// out over the passes.
+template <int L, int NV>
 inline void tiled_rows(const float* x, int64_t ldx, int m, const float* w, int k_len, float* out, int64_t ldo,
                        int n, Ahead ahead) {
-  const int passes = (m + 3) / 4;
+  constexpr int RM = TileShape<L>::rows;
+  const int passes = (m + RM - 1) / RM;
   int pass = 0;
   auto share = [&]() {  // this pass's part of ahead
     const int64_t from = ahead.lines * pass / passes, to = ahead.lines * (pass + 1) / passes;
@@ -353,27 +393,24 @@ inline void tiled_rows(const float* x, int64_t ldx, int m, const float* w, int k
     return ahead.at ? Ahead{ahead.at + 64 * from, to - from} : Ahead{};
   };
   int i = 0;
-  for (; i + 4 <= m; i += 4) tiled_tile<4, NV>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo, n, share());
-  switch (m - i) {
-    case 3: tiled_tile<3, NV>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo, n, share()); break;
-    case 2: tiled_tile<2, NV>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo, n, share()); break;
-    case 1: tiled_tile<1, NV>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo, n, share()); break;
-    default: break;
-  }
+  for (; i + RM <= m; i += RM) tiled_tile<L, RM, NV>(x + i * ldx, ldx, w, k_len, out + i * ldo, ldo, n, share());
+  if (i < m) tiled_last_rows<L, NV, RM - 1>(x + i * ldx, ldx, m - i, w, k_len, out + i * ldo, ldo, n, share());
 }
 
-// out[i * ldo + c] = dot(x row i, w row c) for the n (a multiple of 8, at most 24) weight rows
+// out[i * ldo + c] = dot(x row i, w row c) for the n (a multiple of L, at most 3 L) weight rows
 // whose tiles start at w; ahead prefetched meanwhile.
+template <int L>
 inline void tiled_dots(const float* x, int64_t ldx, int m, const float* w, int k_len, int n, float* out,
                        int64_t ldo, Ahead ahead = {}) {
-  switch ((n + kLanes - 1) / kLanes) {
-    case 3: return tiled_rows<3>(x, ldx, m, w, k_len, out, ldo, n, ahead);
-    case 2: return tiled_rows<2>(x, ldx, m, w, k_len, out, ldo, n, ahead);
-    default: return tiled_rows<1>(x, ldx, m, w, k_len, out, ldo, n, ahead);
+  static_assert(TileShape<L>::tiles == 3, "a block is three tiles");
+  switch ((n + L - 1) / L) {
+    case 3: return tiled_rows<L, 3>(x, ldx, m, w, k_len, out, ldo, n, ahead);
+    case 2: return tiled_rows<L, 2>(x, ldx, m, w, k_len, out, ldo, n, ahead);
+    default: return tiled_rows<L, 1>(x, ldx, m, w, k_len, out, ldo, n, ahead);
   }
 }
 
-constexpr int kBlock = 24;  // weight rows per work item
+constexpr int kBlock = 24;  // weight rows per work item (tiled: three tiles, 3 L)
 // From this many rows an expert, a tiled work item prefetches the next item's weights into L2 as
 // it computes (tiled_tile's Ahead): at a few rows an expert the hardware prefetcher only follows
 // the block being read, so reading the weights and the multiply-adds otherwise take turns.
@@ -436,26 +473,32 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 // (starts[e]..starts[e + 1]): all experts' rows split over the threads at once, by cost
 // (balanced_bounds). An expert with more than kPanelRows rows has x packed into panels first, and
 // h written as panels; one with fewer keeps both as rows.
-// tiled: w13 and w2 in tiles (batchgen_moe_routed_tiled), every expert through tiled_dots with x
-// and h as rows. A block of kBlock weight rows starts at the same offset in either layout.
+// lanes > 0: w13 and w2 in tiles of that many lanes (batchgen_moe_routed_tiled), every expert
+// through tiled_dots with x and h as rows, in blocks of three tiles. A block of weight rows starts
+// at the same offset in either layout.
 void moe_rows(int32_t num_threads, const float* x, const float* w13, const float* w2, const int64_t* starts,
-              const uint8_t* take, float* y, int32_t num_experts, int32_t k_len, int32_t n_len, bool tiled = false) {
+              const uint8_t* take, float* y, int32_t num_experts, int32_t k_len, int32_t n_len, int lanes = 0) {
+  const bool tiled = lanes > 0;
   auto as_panels = [&](int64_t m) { return !tiled && m > kPanelRows; };
   auto dots_of = [&](const float* xe, int64_t ldx, int m, const float* w, int k, int n, float* out, int64_t ldo,
                      Ahead ahead = {}) {
-    if (tiled) tiled_dots(xe, ldx, m, w, k, n, out, ldo, ahead);
-    else any_dots(xe, ldx, m, w, k, n, out, ldo);
+#if defined(__AVX512F__)
+    if (lanes == 16) return tiled_dots<16>(xe, ldx, m, w, k, n, out, ldo, ahead);
+#endif
+    if (lanes == 8) return tiled_dots<8>(xe, ldx, m, w, k, n, out, ldo, ahead);
+    any_dots(xe, ldx, m, w, k, n, out, ldo);
   };
-  const int n_blocks = (n_len + kBlock - 1) / kBlock, k_blocks = (k_len + kBlock - 1) / kBlock;
+  const int block = tiled ? 3 * lanes : kBlock;
+  const int n_blocks = (n_len + block - 1) / block, k_blocks = (k_len + block - 1) / block;
   // a work item's weight blocks: the first phase's gate block (its up block is n_len rows on) and
   // the second phase's w2 block, with their rows
   auto gate_block = [&](int e, int64_t item) {
-    const int j0 = static_cast<int>(item % n_blocks) * kBlock;
-    return std::make_pair(w13 + (static_cast<int64_t>(e) * 2 * n_len + j0) * k_len, std::min(kBlock, n_len - j0));
+    const int j0 = static_cast<int>(item % n_blocks) * block;
+    return std::make_pair(w13 + (static_cast<int64_t>(e) * 2 * n_len + j0) * k_len, std::min(block, n_len - j0));
   };
   auto w2_block = [&](int e, int64_t item) {
-    const int c0 = static_cast<int>(item % k_blocks) * kBlock;
-    return std::make_pair(w2 + (static_cast<int64_t>(e) * k_len + c0) * n_len, std::min(kBlock, k_len - c0));
+    const int c0 = static_cast<int>(item % k_blocks) * block;
+    return std::make_pair(w2 + (static_cast<int64_t>(e) * k_len + c0) * n_len, std::min(block, k_len - c0));
   };
   auto lines = [](int rows, int len) { return (static_cast<int64_t>(rows) * len * 4 + 63) / 64; };
   std::vector<int32_t> experts;
@@ -489,7 +532,7 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
   {
     thread_local Scratch gate_up;
     std::unique_ptr<float[]> gate_up_spill;
-    float *gate = room(gate_up, 2 * most * kBlock, gate_up_spill), *up = gate + most * kBlock;
+    float *gate = room(gate_up, 2 * most * block, gate_up_spill), *up = gate + most * block;
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < num_panels; ++a) {
       const int e = panels[a].first;
@@ -506,7 +549,7 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
     for (int64_t item = bounds1[me]; item < bounds1[me + 1]; ++item) {  // h = silu(x gate^T) * (x up^T)
       const int e = experts[item / n_blocks];
       const int m = static_cast<int>(starts[e + 1] - starts[e]);
-      const int j0 = static_cast<int>(item % n_blocks) * kBlock;
+      const int j0 = static_cast<int>(item % n_blocks) * block;
       const auto [wg, n] = gate_block(e, item);
       Ahead gate_ahead, up_ahead;  // the next item's gate and up blocks, or the second phase's first block
       if (tiled && m >= kAheadRows && item + 1 < bounds1[me + 1]) {
@@ -517,25 +560,25 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
         const auto [next, rows] = w2_block(experts[bounds2[me] / k_blocks], bounds2[me]);
         up_ahead = {reinterpret_cast<const char*>(next), lines(rows, n_len)};
       }
-      dots_of(x_of(e), k_len, m, wg, k_len, n, gate, kBlock, gate_ahead);
-      dots_of(x_of(e), k_len, m, wg + static_cast<int64_t>(n_len) * k_len, k_len, n, up, kBlock, up_ahead);
+      dots_of(x_of(e), k_len, m, wg, k_len, n, gate, block, gate_ahead);
+      dots_of(x_of(e), k_len, m, wg + static_cast<int64_t>(n_len) * k_len, k_len, n, up, block, up_ahead);
       float* he = h + at[e] * n_len;
       if (!as_panels(m)) {
         for (int i = 0; i < m; ++i)
-          for (int j = 0; j < n; ++j) he[i * n_len + j0 + j] = silu(gate[i * kBlock + j]) * up[i * kBlock + j];
+          for (int j = 0; j < n; ++j) he[i * n_len + j0 + j] = silu(gate[i * block + j]) * up[i * block + j];
         continue;
       }
       for (int i = 0; i < padded(m); ++i) {  // h as panels, the padding lanes zero
         float* lane = he + (i / kLanes) * static_cast<int64_t>(n_len) * kLanes + i % kLanes;
         for (int j = 0; j < n; ++j)
-          lane[static_cast<int64_t>(j0 + j) * kLanes] = i < m ? silu(gate[i * kBlock + j]) * up[i * kBlock + j] : 0.f;
+          lane[static_cast<int64_t>(j0 + j) * kLanes] = i < m ? silu(gate[i * block + j]) * up[i * block + j] : 0.f;
       }
     }
 #pragma omp barrier
     for (int64_t item = bounds2[me]; item < bounds2[me + 1]; ++item) {  // y = h w2^T
       const int e = experts[item / k_blocks];
       const int m = static_cast<int>(starts[e + 1] - starts[e]);
-      const int c0 = static_cast<int>(item % k_blocks) * kBlock;
+      const int c0 = static_cast<int>(item % k_blocks) * block;
       const auto [wd, n] = w2_block(e, item);
       Ahead ahead;
       if (tiled && m >= kAheadRows && item + 1 < bounds2[me + 1]) {
@@ -566,7 +609,7 @@ void sum_choices(const float* y, const int64_t* pos, const float* weights, int n
 // The routed layer (batchgen_moe_routed_small_rows, batchgen_moe_routed_tiled).
 int32_t moe_routed(int32_t num_threads, const float* x, int64_t num_tokens, int32_t num_choices, const int64_t* ids,
                    const float* weights, const float* w13, const float* w2, int32_t num_experts, int32_t k_len,
-                   int32_t n_len, int32_t max_rows, float* out, bool tiled) {
+                   int32_t n_len, int32_t max_rows, float* out, int lanes) {
   const int64_t slots = num_tokens * num_choices;
   std::vector<int64_t> starts(num_experts + 1, 0);
   for (int64_t s = 0; s < slots; ++s)
@@ -592,8 +635,7 @@ int32_t moe_routed(int32_t num_threads, const float* x, int64_t num_tokens, int3
     if (pos[s] >= 0)
       for (int k = 0; k < k_len; ++k) rows[pos[s] * k_len + k] = x[(s / num_choices) * k_len + k];
   if (routed > 0)
-    moe_rows(num_threads, rows, w13, w2, starts.data(), take.data(), y, num_experts, k_len, n_len,
-             tiled);
+    moe_rows(num_threads, rows, w13, w2, starts.data(), take.data(), y, num_experts, k_len, n_len, lanes);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
   for (int64_t t = 0; t < num_tokens; ++t)
     sum_choices(y, pos.data() + t * num_choices, weights + t * num_choices, num_choices, k_len,
@@ -645,15 +687,20 @@ int32_t batchgen_moe_routed_small_rows(int32_t num_threads, const float* x, int6
                                        int32_t num_experts, int32_t k_len, int32_t n_len, int32_t max_rows,
                                        float* out) {
   return moe_routed(num_threads, x, num_tokens, num_choices, ids, weights, w13, w2, num_experts, k_len, n_len,
-                    max_rows, out, false);
+                    max_rows, out, 0);
 }
 
-// Returns 0 (w13t, w2t: tiles; n_len and k_len multiples of 8).
+// Lanes of the widest tiles batchgen_moe_routed_tiled takes in this build: 16 with AVX-512, else 8.
+int32_t batchgen_tile_lanes() { return kWidestLanes; }
+
+// Returns 0, or 2 when this build has no tiles of `lanes` lanes (nothing written). w13t, w2t:
+// tiles of 8 or 16 lanes (up to batchgen_tile_lanes()); n_len and k_len multiples of lanes.
 int32_t batchgen_moe_routed_tiled(int32_t num_threads, const float* x, int64_t num_tokens, int32_t num_choices,
                                   const int64_t* ids, const float* weights, const float* w13t, const float* w2t,
-                                  int32_t num_experts, int32_t k_len, int32_t n_len, float* out) {
+                                  int32_t num_experts, int32_t k_len, int32_t n_len, int32_t lanes, float* out) {
+  if (lanes != 8 && lanes != kWidestLanes) return 2;
   return moe_routed(num_threads, x, num_tokens, num_choices, ids, weights, w13t, w2t, num_experts, k_len, n_len,
-                    INT32_MAX, out, true);
+                    INT32_MAX, out, lanes);
 }
 
 }  // extern "C"

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen_kernels import KernelInputError, cpu_small_rows, fused_moe_reference
-from batchgen_kernels.expert_tiles import ExpertTiles, moe_tiled_cpu, tile_experts, tiles_supported
+from batchgen_kernels import KernelInputError, cpu_small_rows, expert_tiles, fused_moe_reference
+from batchgen_kernels.expert_tiles import ExpertTiles, moe_tiled_cpu, tile_experts, tiles_supported, widest_lanes
 
 pytestmark = pytest.mark.skipif(not cpu_small_rows.cpu_small_rows_available(),
                                 reason="the CPU small-row kernels do not build here")
 TOL = 1e-5  # relative to the output's largest entry: fp32 sums in another order
+SIXTEEN = pytest.mark.skipif(cpu_small_rows.cpu_small_rows_available() and widest_lanes() < 16,
+                             reason="the kernel built on this CPU has no sixteen-lane tiles (no AVX-512)")
 
 
 def layer(E: int, K: int, N: int, T: int, A: int, seed: int, skew: float = 1.0):
@@ -29,6 +31,37 @@ def test_tiles_interleave_eight_weight_rows_along_k() -> None:
     assert torch.equal(tiles.w13[2, 1, 5], w13[2, 8:16, 5]) and torch.equal(tiles.w2[1, 1, 7], w2[1, 8:16, 7])
     back13, back2 = tiles.untiled()
     assert torch.equal(back13, w13) and torch.equal(back2, w2)
+
+
+def test_tiles_take_the_widest_lanes_that_divide_the_experts() -> None:
+    _, w13, w2, _, _ = layer(2, 32, 48, 1, 1, seed=1)
+    tiles = tile_experts(w13, w2)
+    assert tiles.lanes == widest_lanes() and tiles.w13.shape == (2, 96 // tiles.lanes, 32, tiles.lanes)
+    assert torch.equal(tiles.w2[1, 1, 7], w2[1, tiles.lanes:2 * tiles.lanes, 7])
+    assert all(torch.equal(a, b) for a, b in zip(tiles.untiled(), (w13, w2)))
+    assert tile_experts(*layer(2, 24, 48, 1, 1, seed=1)[1:3]).lanes == 8  # hidden 24: not a multiple of 16
+
+
+@SIXTEEN
+@pytest.mark.parametrize(("E", "K", "N", "T", "A", "skew"), [
+    (8, 64, 32, 1, 2, 1.0), (4, 48, 48, 37, 2, 3.0), (6, 128, 80, 301, 3, 1.0), (5, 32, 16, 20, 1, 8.0)])
+def test_sixteen_lane_tiles_give_the_eight_lane_floats(E: int, K: int, N: int, T: int, A: int, skew: float) -> None:
+    """Either width sums every output in one chain over k: the same floats, bit for bit (widths
+    of one to three sixteen-lane tiles and a last block of one or two; 1-300 rows an expert)."""
+    x, w13, w2, tw, ids = layer(E, K, N, T, A, seed=K + N + T, skew=skew)
+    wide = moe_tiled_cpu(x, tile_experts(w13, w2, lanes=16), tw, ids)
+    assert torch.equal(wide, moe_tiled_cpu(x, tile_experts(w13, w2, lanes=8), tw, ids))
+    want = fused_moe_reference(x, w13, w2, tw, ids)
+    assert (wide - want).abs().max() <= TOL * want.abs().max()
+
+
+def test_tiles_wider_than_the_kernel_built_here_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w13, w2, tw, ids = layer(2, 32, 16, 3, 1, seed=2)
+    tiles = tile_experts(w13, w2, lanes=16)
+    monkeypatch.setattr(expert_tiles, "widest_lanes", lambda: 8)
+    with pytest.raises(KernelInputError, match="tiles of 16 lanes: the kernel built on this CPU takes 8 "):
+        moe_tiled_cpu(x, tiles, tw, ids)
+    assert tile_experts(w13, w2).lanes == 8
 
 
 @pytest.mark.parametrize(("E", "K", "N", "T", "A", "skew"), [
@@ -95,6 +128,10 @@ def test_bad_shapes_and_dtypes_are_named() -> None:
     _, w13, w2, tw, ids = layer(2, 16, 8, 3, 1, seed=6)
     with pytest.raises(KernelInputError, match="float32"):
         tile_experts(w13.double(), w2)
+    with pytest.raises(KernelInputError, match="tiles of 16 lanes need N = 8 and K = 16 multiples of 16"):
+        tile_experts(w13, w2, lanes=16)
+    with pytest.raises(KernelInputError, match="8 or 16 lanes, not 4"):
+        tile_experts(w13, w2, lanes=4)
     tiles = tile_experts(w13, w2)
     with pytest.raises(KernelInputError, match=r"x must be \[3, 16\]"):
         moe_tiled_cpu(torch.zeros(3, 15), tiles, tw, ids)

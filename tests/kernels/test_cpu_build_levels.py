@@ -1,0 +1,37 @@
+"""The CPU kernels' builds follow the CPU's features: the small-row library takes AVX-512 (and its
+sixteen-lane expert tiles) only where the CPU has every feature x86-64-v4 needs."""
+from __future__ import annotations
+
+import pytest
+
+from batchgen_kernels import _cpu_build, cpu_small_rows
+
+pytestmark = pytest.mark.skipif(not cpu_small_rows.cpu_small_rows_available(),
+                                reason="the CPU small-row kernels do not build here")
+V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+
+
+def test_a_cpu_without_avx512_gets_eight_lane_tiles(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    real = _cpu_build._cpu_flags()
+    if not {"avx2", "fma", "bmi2", "movbe"} <= set(real.split()):
+        pytest.skip("this CPU lacks x86-64-v3")
+    monkeypatch.setenv("BATCHGEN_KERNEL_CACHE", str(tmp_path))
+    without = " ".join(f for f in real.split() if not f.startswith("avx512"))
+    monkeypatch.setattr(_cpu_build, "_cpu_flags", lambda: without)
+    built: list[list[str]] = []
+    build = _cpu_build._build
+    monkeypatch.setattr(_cpu_build, "_build", lambda cxx, source, flags, target: built.append(flags)
+                        or build(cxx, source, flags, target))
+    lib, why = _cpu_build._load("small_rows_cpu")
+    assert why is None and lib.batchgen_tile_lanes() == 8
+    assert built and all("-march=x86-64-v4" not in flags for flags in built)  # (never even tried)
+    if set(V4) <= set(real.split()):  # one missing feature is enough to keep AVX2
+        monkeypatch.setattr(_cpu_build, "_cpu_flags", lambda: real.replace(" avx512cd", ""))
+        lib, why = _cpu_build._load("small_rows_cpu")
+        assert why is None and lib.batchgen_tile_lanes() == 8
+
+
+def test_a_cpu_with_avx512_gets_sixteen_lane_tiles() -> None:
+    if not set(V4) <= set(_cpu_build._cpu_flags().split()):
+        pytest.skip("this CPU lacks AVX-512")
+    assert cpu_small_rows.small_rows_library().batchgen_tile_lanes() == 16
