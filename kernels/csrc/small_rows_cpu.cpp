@@ -366,7 +366,9 @@ inline void tiled_tile(const float* x, int64_t ldx, const float* w, int k_len, f
   }
   for (int r = 0; r < RM; ++r)
     for (int v = 0; v < NV; ++v)
-      for (int l = 0; l < L && v * L + l < n; ++l) out[r * ldo + v * L + l] = acc[r][v][l];
+      if ((v + 1) * L <= n) *reinterpret_cast<vec_u*>(out + r * ldo + v * L) = acc[r][v];
+      else
+        for (int l = 0; l < L && v * L + l < n; ++l) out[r * ldo + v * L + l] = acc[r][v][l];
 }
 
 // The last m < RM rows of a tiled_rows call, in one tile of m rows.
@@ -467,7 +469,55 @@ inline Team this_team() {
 #endif
 }
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+// exp(x) of eight floats at once: x = n ln 2 + r (n whole, |r| <= ln 2 / 2, ln 2 in two parts),
+// exp(r) by Cephes' expf polynomial, times 2^n written into the exponent bits; x clamped to
+// [-87.3, 88.3], where 2^n stays a normal float. Hand-written rather than glibc's vector exp
+// (libmvec): GCC calls that only under -ffast-math, and not every C library has it; this is the
+// same arithmetic in every build. The silu below is within 2 ulp of float64's (torch's: 1.3).
+inline v8 exp8(v8 x) {
+  const v8 hi = v8{} + 88.3762626647949f, lo = v8{} - 87.3365447505531f;
+  x = x < hi ? x : hi;
+  x = x > lo ? x : lo;
+  const v8 magic = v8{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to a whole number
+  const v8 n = (x * 1.44269504088896341f + magic) - magic;
+  const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  v8 p = v8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v8 y = p * (r * r) + r + 1.f;
+  typedef int32_t v8i __attribute__((vector_size(32)));
+  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  return y * reinterpret_cast<const v8&>(bits);
+}
+
+// out[j * stride] = silu(gate[j]) * up[j] for j < n (silu(g) = g / (1 + exp(-g))): eight at a
+// time, the last few through a padded vector, so every element takes the same arithmetic
+// wherever it sits (a row's result never depends on its batch). Against std::exp one at a time
+// (what this replaced): 1.03-1.04x the whole expert layer at 48-512 rows an expert of 1024 x
+// 1024, 1.13-1.17x at 8-256 rows of 256 x 512, where the exponentials are a larger share.
+inline v8 silu_times8(v8 g, v8 u) {
+  const v8 s = g / (1.f + exp8(-g));
+  return (g < -88.3762626647949f ? v8{} : s) * u;  // past the clamp silu is below 4e-37: zero
+}
+
+inline void silu_times(const float* gate, const float* up, int n, float* out, int64_t stride = 1) {
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8 h = silu_times8(load(gate + j), load(up + j));
+    if (stride == 1) *reinterpret_cast<v8u*>(out + j) = h;
+    else
+      for (int l = 0; l < 8; ++l) out[(j + l) * stride] = h[l];
+  }
+  if (j < n) {
+    float g[8] = {}, u[8] = {};
+    for (int l = 0; j + l < n; ++l) g[l] = gate[j + l], u[l] = up[j + l];
+    const v8 h = silu_times8(load(g), load(u));
+    for (int l = 0; j + l < n; ++l) out[(j + l) * stride] = h[l];
+  }
+}
 
 // h = silu(x gate^T) * (x up^T), y = h w2^T for the rows of the experts flagged in `take`
 // (starts[e]..starts[e + 1]): all experts' rows split over the threads at once, by cost
@@ -564,14 +614,14 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
       dots_of(x_of(e), k_len, m, wg + static_cast<int64_t>(n_len) * k_len, k_len, n, up, block, up_ahead);
       float* he = h + at[e] * n_len;
       if (!as_panels(m)) {
-        for (int i = 0; i < m; ++i)
-          for (int j = 0; j < n; ++j) he[i * n_len + j0 + j] = silu(gate[i * block + j]) * up[i * block + j];
+        for (int i = 0; i < m; ++i) silu_times(gate + i * block, up + i * block, n, he + i * n_len + j0);
         continue;
       }
       for (int i = 0; i < padded(m); ++i) {  // h as panels, the padding lanes zero
         float* lane = he + (i / kLanes) * static_cast<int64_t>(n_len) * kLanes + i % kLanes;
-        for (int j = 0; j < n; ++j)
-          lane[static_cast<int64_t>(j0 + j) * kLanes] = i < m ? silu(gate[i * block + j]) * up[i * block + j] : 0.f;
+        if (i < m) silu_times(gate + i * block, up + i * block, n, lane + static_cast<int64_t>(j0) * kLanes, kLanes);
+        else
+          for (int j = 0; j < n; ++j) lane[static_cast<int64_t>(j0 + j) * kLanes] = 0.f;
       }
     }
 #pragma omp barrier
@@ -688,6 +738,11 @@ int32_t batchgen_moe_routed_small_rows(int32_t num_threads, const float* x, int6
                                        float* out) {
   return moe_routed(num_threads, x, num_tokens, num_choices, ids, weights, w13, w2, num_experts, k_len, n_len,
                     max_rows, out, 0);
+}
+
+// out[j] = silu(gate[j]) * up[j] for j < n, as the expert kernels compute h (their silu, for tests).
+void batchgen_silu_times(int32_t n, const float* gate, const float* up, float* out) {
+  silu_times(gate, up, n, out);
 }
 
 // Lanes of the widest tiles batchgen_moe_routed_tiled takes in this build: 16 with AVX-512, else 8.
