@@ -62,6 +62,7 @@ KERNEL_RANGES = {
     ("batchgen_kernels.grouped_moe", "moe_routed_small_rows_cpu"): "batchgen::moe_small_rows",
     ("batchgen.models.moe", "moe_tiled_cpu"): "batchgen::moe_tiled",
     ("batchgen_kernels.cpu_small_rows", "linear_small_rows_unchecked"): "batchgen::linear_small_rows",
+    ("batchgen_kernels.tiled_linear", "linear_tiled_cpu"): "batchgen::linear_tiled",
     ("batchgen.models.cuda_decode", "paged_attention_gqa_cpu"): "batchgen::paged_decode_attention",
     ("batchgen.models.attention", "rope_kv_write_cpu"): "batchgen::rope_kv_write",
 }
@@ -207,6 +208,7 @@ def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
         "expert layers (compiled kernel)": ("batchgen::moe_small_rows",),
         "expert layers (compiled kernel, experts in tiles)": ("batchgen::moe_tiled",),
         "dense projections, up to 256 rows (compiled kernel)": ("batchgen::linear_small_rows",),
+        "dense projections (compiled kernel, weights in tiles)": ("batchgen::linear_tiled",),
         "paged attention (compiled kernel: decodes, short prompts)": ("batchgen::paged_decode_attention",),
         "prompt attention (SDPA, longer prompts)": ("sdpa", "scaled_dot_product"),
         "rope and KV write (compiled kernel)": ("batchgen::rope_kv_write",),

@@ -1,7 +1,9 @@
 """batchgen_kernels: fused Mixture-of-Experts and paged decode attention kernels (Triton on
 CUDA; compiled C++ on CPU, cpu_paged_attention.py) and their plain-torch references, and the
 grouped-GEMM CPU MoE path (grouped_moe.py), whose experts with few rows take a compiled kernel, as do
-dense projections with few rows (`linear_rows`, cpu_small_rows.py).
+dense projections with few rows (`linear_rows`, cpu_small_rows.py). A CPU model's fp32 weights past
+the cache are kept in tiles and run by one compiled kernel at every row count (expert_tiles.py,
+tiled_linear.py).
 
 Importing this package never imports triton; `fused_moe` and the paged-attention launchers do on first call and raises
 `TritonUnavailableError` (an ImportError) when it is missing.

@@ -150,6 +150,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = lib.batchgen_moe_routed_tiled
         fn.restype = i32
         fn.argtypes = [i32, ptr, i64, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr]
+    if hasattr(lib, "batchgen_linear_tiled"):
+        fn = lib.batchgen_linear_tiled
+        fn.restype = i32
+        fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32]
     if hasattr(lib, "batchgen_silu_times"):
         lib.batchgen_silu_times.restype = None
         lib.batchgen_silu_times.argtypes = [i32, ptr, ptr, ptr]

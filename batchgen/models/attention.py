@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from batchgen_kernels import linear_rows, rope_kv_write_cpu
+from batchgen_kernels import rope_kv_write_cpu
+from batchgen_kernels.tiled_linear import linear
 
 from .cuda_decode import DecodeTables, gqa_decode, use_fused_rope, use_paged_kernel
 from .layers import rms_norm
@@ -296,7 +297,7 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
     """x: [T, H] (already normed) -> attention output [T, H]; writes this batch's K/V into cache [slots, W]."""
     T = x.shape[0]
     hq, hk, d = a.num_heads, a.num_kv_heads, a.head_dim
-    qkv = linear_rows(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2 Hk) D]
+    qkv = linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2 Hk) D]
     tables = batch.rope_tables(rotary)
     plain = a.qk_norm == "none" and a.clip_qkv is None
     fused = plain and use_fused_rope(qkv, cache)
@@ -331,4 +332,4 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
 
     out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d, paged=paged, fresh=new_kv,
                           paged_prefill_context=paged_prefill_context(d))
-    return linear_rows(out.reshape(T, hq * d), w.o, w.o_bias)
+    return linear(out.reshape(T, hq * d), w.o, w.o_bias)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen_kernels import linear_rows
+from batchgen_kernels.tiled_linear import linear
 
 from .weights import MLPWeights
 
@@ -32,4 +32,4 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def mlp(x: torch.Tensor, w: MLPWeights) -> torch.Tensor:
     """x: [T, H] -> [T, H]; SwiGLU."""
-    return linear_rows(silu_mul(linear_rows(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+    return linear(silu_mul(linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from batchgen_kernels import linear_rows
 from batchgen_kernels.expert_tiles import tile_experts, tiles_supported
+from batchgen_kernels.tiled_linear import TiledWeight, linear, tile_weight, weight_tiles_supported
 
 from ..errors import ModelLoadError
 from ..offload import ExpertStore, HostExperts, StoreOptions, build_store, expert_tier_plan
@@ -103,6 +103,8 @@ class Model:
                                   lambda layer, x: cls._route_ids(weights, moe_specs, layer, x))
         elif dev.type == "cpu":
             cls._tile_experts(weights, moe_specs)
+        if dev.type == "cpu":
+            cls._tile_dense(weights)
         return cls(spec, weights, dev, torch_dtype, cfg, experts)
 
     @staticmethod
@@ -116,6 +118,24 @@ class Model:
             if f.w13 is not None and f.w2 is not None and tiles_supported(f.w13, f.w2):
                 f.tiles = tile_experts(f.w13, f.w2)
                 f.w13 = f.w2 = None
+
+    @staticmethod
+    def _tile_dense(weights: ModelWeights) -> None:
+        """Dense fp32 weights on the CPU past the cache (GQA's qkv and o, dense and shared-expert
+        MLPs, an untied lm_head) are kept in tiles for the CPU kernel (batchgen_kernels.
+        tiled_linear), one matrix at a time; the tiles replace the plain copy. MLA's projections
+        and a tied lm_head (it is the embedding table) stay plain."""
+        def tiled(w: torch.Tensor | TiledWeight) -> torch.Tensor | TiledWeight:
+            return tile_weight(w) if isinstance(w, torch.Tensor) and weight_tiles_supported(w) else w
+
+        for layer in weights.layers:
+            a, f = layer.attention, layer.ffn
+            if isinstance(a, GQAWeights):
+                a.qkv, a.o = tiled(a.qkv), tiled(a.o)
+            for m in (f,) if isinstance(f, MLPWeights) else (f.shared,) if f.shared is not None else ():
+                m.gate_up, m.down = tiled(m.gate_up), tiled(m.down)
+        if weights.lm_head is not weights.embed:
+            weights.lm_head = tiled(weights.lm_head)
 
     @staticmethod
     def _route_ids(weights: ModelWeights, moe_specs: dict[int, MoESpec], layer: int, x: torch.Tensor) -> list[int]:
@@ -169,7 +189,7 @@ class Model:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> fp32 logits [N, V]."""
         x = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
-        return linear_rows(x, self.weights.lm_head).float()
+        return linear(x, self.weights.lm_head).float()
 
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * self.spec.kv_width * self.dtype.itemsize

@@ -6,14 +6,15 @@ from dataclasses import dataclass
 import torch
 
 from batchgen_kernels.expert_tiles import ExpertTiles
+from batchgen_kernels.tiled_linear import TiledWeight
 
 Tensor = torch.Tensor
 
 
 @dataclass(slots=True)
 class MLPWeights:
-    gate_up: Tensor  # [2I, H]: gate rows then up rows
-    down: Tensor  # [H, I]
+    gate_up: Tensor | TiledWeight  # [2I, H]: gate rows then up rows (in tiles: fp32 on the CPU, past the cache)
+    down: Tensor | TiledWeight  # [H, I]
     gate_up_bias: Tensor | None = None
     down_bias: Tensor | None = None
 
@@ -31,8 +32,8 @@ class MoEWeights:
 
 @dataclass(slots=True)
 class GQAWeights:
-    qkv: Tensor  # [(Hq + 2 Hkv) D, H]
-    o: Tensor  # [H, Hq D]
+    qkv: Tensor | TiledWeight  # [(Hq + 2 Hkv) D, H] (in tiles: fp32 on the CPU, past the cache)
+    o: Tensor | TiledWeight  # [H, Hq D]
     qkv_bias: Tensor | None = None
     o_bias: Tensor | None = None
     q_norm: Tensor | None = None  # [D] (head) or [Hq D] (full)
@@ -66,5 +67,5 @@ class LayerWeights:
 class ModelWeights:
     embed: Tensor  # [V, H]
     norm: Tensor  # [H]
-    lm_head: Tensor  # [V, H] (the embedding itself when tied)
+    lm_head: Tensor | TiledWeight  # [V, H] (the embedding itself when tied; in tiles: untied fp32 on the CPU, past the cache)
     layers: list[LayerWeights]

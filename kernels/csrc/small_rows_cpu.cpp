@@ -39,6 +39,11 @@
 // batchgen_linear_small_rows: x: [M, K] (row stride ldx), w: [Nout, K], bias: [Nout] or null;
 // y: [M, Nout] = x w^T + bias.
 //
+// batchgen_linear_tiled: the same product with w in tiles of L lanes ([Nout / L, K, L], as the
+// experts'), at every row count: the experts' tile, blocks of three tiles over the threads, each
+// prefetching the next block's weights as it computes. One chain of multiply-adds over k per
+// output, as for the experts: a row's result never depends on its batch.
+//
 // Each output element is one dot product summed in a fixed order that does not depend on the
 // other rows' values: a row's result is the same whatever it is batched with, as long as the
 // product has rows on the same side of kPanelRows (the two tiles sum in different orders: eight
@@ -693,6 +698,36 @@ int32_t moe_routed(int32_t num_threads, const float* x, int64_t num_tokens, int3
   return 0;
 }
 
+// y [M, Nout] = x [M, K] (row stride ldx) w^T + bias, w in tiles of `lanes` lanes ([Nout / L, K,
+// L], Nout and K multiples of L): blocks of three tiles split over the threads in contiguous
+// ranges, each block prefetching the next one's weights as it computes (from kAheadRows rows).
+template <int L>
+void linear_tiled(int32_t num_threads, const float* x, int64_t ldx, const float* wt, const float* bias, float* y,
+                  int32_t m, int32_t k_len, int32_t n_out) {
+  constexpr int block = 3 * L;
+  const int64_t items = (n_out + block - 1) / block;
+  auto lines = [&](int64_t item) {
+    const int rows = std::min<int64_t>(block, n_out - item * block);
+    return (static_cast<int64_t>(rows) * k_len * 4 + 63) / 64;
+  };
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
+  {
+    const Team team = this_team();
+    const int64_t first = items * team.me / team.size, last = items * (team.me + 1) / team.size;
+    for (int64_t item = first; item < last; ++item) {
+      const int c0 = static_cast<int>(item * block);
+      const int n = std::min(block, n_out - c0);
+      Ahead ahead;
+      if (m >= kAheadRows && item + 1 < last)
+        ahead = {reinterpret_cast<const char*>(wt + static_cast<int64_t>(c0 + block) * k_len), lines(item + 1)};
+      tiled_dots<L>(x, ldx, m, wt + static_cast<int64_t>(c0) * k_len, k_len, n, y + c0, n_out, ahead);
+      if (bias)
+        for (int i = 0; i < m; ++i)
+          for (int c = c0; c < c0 + n; ++c) y[static_cast<int64_t>(i) * n_out + c] += bias[c];
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -743,6 +778,17 @@ int32_t batchgen_moe_routed_small_rows(int32_t num_threads, const float* x, int6
 // out[j] = silu(gate[j]) * up[j] for j < n, as the expert kernels compute h (their silu, for tests).
 void batchgen_silu_times(int32_t n, const float* gate, const float* up, float* out) {
   silu_times(gate, up, n, out);
+}
+
+// Returns 0, or 1 when m < 1, 2 when this build has no tiles of `lanes` lanes (nothing written).
+int32_t batchgen_linear_tiled(int32_t num_threads, const float* x, int64_t ldx, const float* wt, const float* bias,
+                              float* y, int32_t m, int32_t k_len, int32_t n_out, int32_t lanes) {
+  if (m < 1) return 1;
+#if defined(__AVX512F__)
+  if (lanes == 16) return linear_tiled<16>(num_threads, x, ldx, wt, bias, y, m, k_len, n_out), 0;
+#endif
+  if (lanes == 8) return linear_tiled<8>(num_threads, x, ldx, wt, bias, y, m, k_len, n_out), 0;
+  return 2;
 }
 
 // Lanes of the widest tiles batchgen_moe_routed_tiled takes in this build: 16 with AVX-512, else 8.

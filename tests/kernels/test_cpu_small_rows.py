@@ -281,28 +281,31 @@ def test_experts_whose_weights_fit_in_cache_keep_sgemm() -> None:
 @pytest.mark.parametrize(("family", "tiles"), [
     *((f, tiles) for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
       for tiles in (True, False)),
-    ("llama", False),
+    ("llama", True), ("llama", False), ("llama_tied", True),
 ])
 def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
         monkeypatch: pytest.MonkeyPatch, checkpoint_factory, prompt_ids, family: str, tiles: bool) -> None:
     """The tiny test checkpoints fit in cache, where the kernels stay off: force them on for
     every fp32 product with few rows, and greedy tokens still equal transformers'. With tiles
-    (what a CPU model does with experts past the cache) every expert layer is one call of the
-    tiled kernel; without, the plain layout's one-call kernel (every expert here has few rows)."""
+    (what a CPU model does with weights past the cache) every expert layer is one call of the
+    tiled kernel and every dense projection one of the tiled linear kernel; without, the plain
+    layout's one-call kernel (every expert here has few rows) and the small-row linear kernel."""
     import tiny_models
 
     import batchgen.models.model as model_module
     import batchgen.models.moe as moe_stage
     from batchgen import Engine, SamplingParams
-    from batchgen_kernels import cpu_small_rows
+    from batchgen_kernels import cpu_small_rows, tiled_linear
 
     monkeypatch.setattr(cpu_small_rows, "IN_CACHE_BYTES", 0)
     if not tiles:
         monkeypatch.setattr(model_module, "tiles_supported", lambda w13, w2: False)
+        monkeypatch.setattr(model_module, "weight_tiles_supported", lambda w: False)
     calls: list[str] = []
-    for name in ("linear_small_rows_unchecked", "moe_small_rows_cpu", "moe_routed_small_rows_cpu"):
-        real = getattr(cpu_small_rows, name)
-        monkeypatch.setattr(cpu_small_rows, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    for module, name in ((cpu_small_rows, "linear_small_rows_unchecked"), (cpu_small_rows, "moe_small_rows_cpu"),
+                         (cpu_small_rows, "moe_routed_small_rows_cpu"), (tiled_linear, "linear_tiled_cpu")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     tiled = moe_stage.moe_tiled_cpu
     monkeypatch.setattr(moe_stage, "moe_tiled_cpu", lambda *a: calls.append("moe_tiled_cpu") or tiled(*a))
     import batchgen_kernels.grouped_moe as grouped_moe
@@ -313,9 +316,10 @@ def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
     prompts = prompt_ids[:4]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = Engine(model_dir, dtype="float32", device="cpu").generate(prompts, params)
-    if family == "llama":
-        assert set(calls) == {"linear_small_rows_unchecked"}
-    else:
-        assert set(calls) == {"linear_small_rows_unchecked", "moe_tiled_cpu" if tiles else "moe_routed_small_rows_cpu"}
+    dense = {"linear_tiled_cpu" if tiles else "linear_small_rows_unchecked"}
+    if family == "llama_tied":  # its lm_head is the embedding table: kept plain
+        dense.add("linear_small_rows_unchecked")
+    experts = set() if family.startswith("llama") else {"moe_tiled_cpu" if tiles else "moe_routed_small_rows_cpu"}
+    assert set(calls) == dense | experts
     assert [o.token_ids for o in outs] == [tiny_models.reference_generate(model_dir, p, 8, ignore_eos=True)
                                            for p in prompts]
