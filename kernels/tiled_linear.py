@@ -1,6 +1,6 @@
 """Dense weights stored in tiles for the CPU (csrc/small_rows_cpu.cpp, `batchgen_linear_tiled`).
 
-A weight w [Nout, K] is kept as [Nout / L, K, L] (tile[k, lane] = w[L p + lane, k]), L the lanes
+A weight w [Nout, K] of at least TILE_BYTES is kept as [Nout / L, K, L] (tile[k, lane] = w[L p + lane, k]), L the lanes
 of expert_tiles.py's tiles (16 with AVX-512 where Nout and K allow, else 8). The same kernel tile
 as the experts' reads it at every row count: an x element broadcast against L weight rows, the
 next block's weights prefetched while one computes. It replaces both paths of a plain weight
@@ -15,10 +15,12 @@ weight; they agree within fp32 rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from . import cpu_small_rows
+from ._cpu_build import cpu_kernels
 from .errors import KernelInputError
 from .expert_tiles import LANE_COUNTS, tile_lanes, widest_lanes
 
@@ -46,14 +48,20 @@ class TiledWeight:
         return self.tiles.transpose(1, 2).reshape(self.out_features, self.in_features)
 
 
+# Weights of at least this many bytes are tiled. Through `linear` against the plain path (16
+# weights in turn, 2 threads, Zen 4, 1-2048 rows): 480-512 KiB (512 x 256, 480 x 256, 1024 x 128)
+# 1.03-2.24x at every row count; 256 KiB 0.94-0.96x at 1 and 2048 rows, 1.04-1.64x between; 16-64
+# KiB 0.42-0.71x at 1 and 512-2048 rows, where sgemm's weights sit in L2 and each call's own cost
+# counts.
+TILE_BYTES = 384 << 10
+
+
 def weight_tiles_supported(w: torch.Tensor) -> bool:
     """Whether this dense weight [Nout, K] should be tiled and run by the kernel here: fp32 on the
-    CPU, Nout and K multiples of eight, too large for the cache (below cpu_small_rows.
-    IN_CACHE_BYTES sgemm wins, as for experts), and the kernel built and not turned off
-    (BATCHGEN_SMALL_ROWS_KERNEL=0)."""
+    CPU, Nout and K multiples of eight, at least TILE_BYTES, and the kernel built and not turned
+    off (BATCHGEN_SMALL_ROWS_KERNEL=0)."""
     return (w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu" and w.shape[0] % 8 == 0
-            and w.shape[1] % 8 == 0 and 4 * w.numel() >= cpu_small_rows.IN_CACHE_BYTES
-            and cpu_small_rows.small_rows_enabled())
+            and w.shape[1] % 8 == 0 and 4 * w.numel() >= TILE_BYTES and cpu_small_rows.small_rows_enabled())
 
 
 def tile_weight(w: torch.Tensor, lanes: int | None = None) -> TiledWeight:
@@ -84,23 +92,37 @@ def linear_tiled_cpu(x: torch.Tensor, w: TiledWeight, bias: torch.Tensor | None 
         raise KernelInputError(f"x must be a CPU float32 [M, {k}] tensor, got {tuple(x.shape)} {x.dtype} on {x.device}")
     if bias is not None and bias.shape != (n_out,):
         raise KernelInputError(f"bias must be [{n_out}], got {tuple(bias.shape)}")
-    y = torch.empty(x.shape[0], n_out, dtype=torch.float32)
+    return linear_tiled_unchecked(cpu_small_rows.small_rows_library(), x, w, bias)
+
+
+def linear_tiled_unchecked(lib: Any, x: torch.Tensor, w: TiledWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel call on checked operands (x [M, K] fp32 on the CPU; w's tiles and bias as
+    linear_tiled_cpu checks them)."""
+    y = torch.empty(x.shape[0], w.tiles.shape[0] * w.tiles.shape[2], dtype=torch.float32)
     if x.shape[0] == 0:
         return y
     if x.stride(1) != 1:
         x = x.contiguous()
-    status = cpu_small_rows.small_rows_library().batchgen_linear_tiled(
-        torch.get_num_threads(), x.data_ptr(), x.stride(0), w.tiles.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], k, n_out, lanes)
-    if status != 0:  # (checked above; a build that disagrees with batchgen_tile_lanes would land here)
-        raise KernelInputError(f"the CPU kernel refused tiles of {lanes} lanes")
+    status = lib.batchgen_linear_tiled(torch.get_num_threads(), x.data_ptr(), x.stride(0), w.tiles.data_ptr(),
+                                       None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0],
+                                       w.tiles.shape[1], y.shape[1], w.tiles.shape[2])
+    if status != 0:  # (checked at tiling; a build that disagrees with batchgen_tile_lanes would land here)
+        raise KernelInputError(f"the CPU kernel refused tiles of {w.tiles.shape[2]} lanes")
     return y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for a plain weight (`cpu_small_rows.linear_rows`: the small-row kernel
-    where x has few rows, else sgemm) or a tiled one (the tiled kernel at every row count)."""
-    if isinstance(w, TiledWeight):
-        return linear_tiled_cpu(x, w, bias)
-    return cpu_small_rows.linear_rows(x, w, bias)
-
+    where x has few rows, else sgemm) or a tiled one (the tiled kernel at every row count). Called
+    for every projection of every forward, so it checks only what keeps the kernel in bounds
+    (the kernel itself refuses lanes it was not built for); anything else goes to
+    linear_tiled_cpu, which names the problem."""
+    if not isinstance(w, TiledWeight):
+        return cpu_small_rows.linear_rows(x, w, bias)
+    lib, t = cpu_kernels("small_rows_cpu"), w.tiles
+    if (lib is None or x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != t.shape[1]
+            or x.device.type != "cpu" or not t.is_contiguous()
+            or (bias is not None and (bias.dtype is not torch.float32 or bias.shape != (t.shape[0] * t.shape[2],)
+                                      or not bias.is_contiguous()))):
+        return linear_tiled_cpu(x, w, bias)  # (it names what is wrong)
+    return linear_tiled_unchecked(lib, x, w, bias)

@@ -121,10 +121,10 @@ class Model:
 
     @staticmethod
     def _tile_dense(weights: ModelWeights) -> None:
-        """Dense fp32 weights on the CPU past the cache (GQA's qkv and o, dense and shared-expert
-        MLPs, an untied lm_head) are kept in tiles for the CPU kernel (batchgen_kernels.
-        tiled_linear), one matrix at a time; the tiles replace the plain copy. MLA's projections
-        and a tied lm_head (it is the embedding table) stay plain."""
+        """Dense fp32 weights on the CPU of tiled_linear.TILE_BYTES or more (GQA's qkv and o, dense
+        and shared-expert MLPs, an untied lm_head) are kept in tiles for the CPU kernel
+        (batchgen_kernels.tiled_linear), one matrix at a time; the tiles replace the plain copy.
+        MLA's projections and a tied lm_head (it is the embedding table) stay plain."""
         def tiled(w: torch.Tensor | TiledWeight) -> torch.Tensor | TiledWeight:
             return tile_weight(w) if isinstance(w, torch.Tensor) and weight_tiles_supported(w) else w
 

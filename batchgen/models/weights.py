@@ -13,7 +13,7 @@ Tensor = torch.Tensor
 
 @dataclass(slots=True)
 class MLPWeights:
-    gate_up: Tensor | TiledWeight  # [2I, H]: gate rows then up rows (in tiles: fp32 on the CPU, past the cache)
+    gate_up: Tensor | TiledWeight  # [2I, H]: gate rows then up rows (in tiles: fp32 on the CPU, from tiled_linear.TILE_BYTES)
     down: Tensor | TiledWeight  # [H, I]
     gate_up_bias: Tensor | None = None
     down_bias: Tensor | None = None
@@ -32,7 +32,7 @@ class MoEWeights:
 
 @dataclass(slots=True)
 class GQAWeights:
-    qkv: Tensor | TiledWeight  # [(Hq + 2 Hkv) D, H] (in tiles: fp32 on the CPU, past the cache)
+    qkv: Tensor | TiledWeight  # [(Hq + 2 Hkv) D, H] (in tiles: fp32 on the CPU, from tiled_linear.TILE_BYTES)
     o: Tensor | TiledWeight  # [H, Hq D]
     qkv_bias: Tensor | None = None
     o_bias: Tensor | None = None
@@ -67,5 +67,5 @@ class LayerWeights:
 class ModelWeights:
     embed: Tensor  # [V, H]
     norm: Tensor  # [H]
-    lm_head: Tensor | TiledWeight  # [V, H] (the embedding itself when tied; in tiles: untied fp32 on the CPU, past the cache)
+    lm_head: Tensor | TiledWeight  # [V, H] (the embedding itself when tied; in tiles: untied fp32 on the CPU, from TILE_BYTES)
     layers: list[LayerWeights]

@@ -298,12 +298,13 @@ def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
     from batchgen_kernels import cpu_small_rows, tiled_linear
 
     monkeypatch.setattr(cpu_small_rows, "IN_CACHE_BYTES", 0)
+    monkeypatch.setattr(tiled_linear, "TILE_BYTES", 0)
     if not tiles:
         monkeypatch.setattr(model_module, "tiles_supported", lambda w13, w2: False)
         monkeypatch.setattr(model_module, "weight_tiles_supported", lambda w: False)
     calls: list[str] = []
     for module, name in ((cpu_small_rows, "linear_small_rows_unchecked"), (cpu_small_rows, "moe_small_rows_cpu"),
-                         (cpu_small_rows, "moe_routed_small_rows_cpu"), (tiled_linear, "linear_tiled_cpu")):
+                         (cpu_small_rows, "moe_routed_small_rows_cpu"), (tiled_linear, "linear_tiled_unchecked")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     tiled = moe_stage.moe_tiled_cpu
@@ -316,7 +317,7 @@ def test_engine_with_the_kernel_on_every_product_keeps_transformers_tokens(
     prompts = prompt_ids[:4]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = Engine(model_dir, dtype="float32", device="cpu").generate(prompts, params)
-    dense = {"linear_tiled_cpu" if tiles else "linear_small_rows_unchecked"}
+    dense = {"linear_tiled_unchecked" if tiles else "linear_small_rows_unchecked"}
     if family == "llama_tied":  # its lm_head is the embedding table: kept plain
         dense.add("linear_small_rows_unchecked")
     experts = set() if family.startswith("llama") else {"moe_tiled_cpu" if tiles else "moe_routed_small_rows_cpu"}

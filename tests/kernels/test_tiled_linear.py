@@ -77,11 +77,18 @@ def test_strided_rows_and_columns_are_taken() -> None:
     assert torch.equal(linear_tiled_cpu(xt, tile_weight(w, 8)), linear_tiled_cpu(xt.contiguous(), tile_weight(w, 8)))
 
 
-def test_linear_takes_either_weight() -> None:
+def test_linear_takes_either_weight_and_names_bad_operands() -> None:
     w, b = weight(32, 64, seed=5)
     x = torch.randn(4, 64)
-    assert torch.equal(linear(x, tile_weight(w, 8), b), linear_tiled_cpu(x, tile_weight(w, 8), b))
+    t = tile_weight(w, 8)
+    assert torch.equal(linear(x, t, b), linear_tiled_cpu(x, t, b))
     assert torch.equal(linear(x, w, b), cpu_small_rows.linear_rows(x, w, b))
+    with pytest.raises(KernelInputError, match=r"bias must be a contiguous CPU float32"):
+        linear(x, t, torch.randn(64)[::2])
+    with pytest.raises(KernelInputError, match=r"x must be a CPU float32 \[M, 64\]"):
+        linear(x.double(), t)
+    with pytest.raises(KernelInputError, match=r"must be a contiguous CPU float32"):
+        linear(x, TiledWeight(t.tiles.transpose(0, 1).contiguous().transpose(0, 1)))
 
 
 def test_bad_inputs_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,10 +111,12 @@ def test_bad_inputs_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
         linear_tiled_cpu(torch.zeros(3, 16), TiledWeight(tile_weight(w, 8).tiles.reshape(2, 16, 16)))
 
 
-def test_only_weights_past_the_cache_are_tiled(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_weights_of_tile_bytes_are_tiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert weight_tiles_supported(torch.zeros(tiled_linear.TILE_BYTES // 4 // 64, 64))
+    assert not weight_tiles_supported(torch.zeros(tiled_linear.TILE_BYTES // 4 // 64 - 8, 64))
     w, _ = weight(32, 16, seed=7)
     assert not weight_tiles_supported(w)
-    monkeypatch.setattr(cpu_small_rows, "IN_CACHE_BYTES", 0)
+    monkeypatch.setattr(tiled_linear, "TILE_BYTES", 0)
     assert weight_tiles_supported(w)
     assert not weight_tiles_supported(w.double()) and not weight_tiles_supported(w[:12])
     assert not weight_tiles_supported(w[:, :12].contiguous())
@@ -116,11 +125,11 @@ def test_only_weights_past_the_cache_are_tiled(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_a_cpu_model_keeps_its_dense_weights_in_tiles(monkeypatch: pytest.MonkeyPatch, checkpoint_factory) -> None:
-    """Past the cache (forced here) GQA projections and an untied lm_head are tiles; a tied lm_head
-    is the embedding table and stays plain."""
+    """Past TILE_BYTES (forced here) GQA projections, MLPs and an untied lm_head are tiles; a tied
+    lm_head is the embedding table and stays plain."""
     from batchgen.models.model import Model
 
-    monkeypatch.setattr(cpu_small_rows, "IN_CACHE_BYTES", 0)
+    monkeypatch.setattr(tiled_linear, "TILE_BYTES", 0)
     m = Model.load(checkpoint_factory("llama"), "float32", "cpu")
     a = m.weights.layers[0].attention
     assert isinstance(a.qkv, TiledWeight) and isinstance(a.o, TiledWeight)
