@@ -33,7 +33,7 @@ _LEVEL_FEATURES = {"-march=x86-64-v3": ("avx2", "fma", "bmi2", "movbe"),
                    "-march=x86-64-v4": ("avx2", "fma", "bmi2", "movbe", "avx512f", "avx512bw", "avx512cd",
                                         "avx512dq", "avx512vl")}
 # Flag sets a library tries before _FLAG_SETS: the small-row kernels' expert tiles take sixteen
-# lanes with AVX-512 (csrc/small_rows_cpu.cpp, TileShape), 1.02-1.10x the eight-lane ones; the
+# lanes with AVX-512 (csrc/small_rows_cpu.cpp, TileShape), 1.02-1.14x the eight-lane ones; the
 # rest of that library measured level in either build.
 _FIRST_FLAG_SETS = {"small_rows_cpu": (["-O3", "-march=x86-64-v4", "-fopenmp"],)}
 _BASE_FLAGS = ["-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]

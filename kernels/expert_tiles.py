@@ -17,8 +17,8 @@ reference is `fused_moe_reference` on the untiled weights; they agree within fp3
 Measured against the plain layout's kernel (8 experts of 1024 x 1024 read from memory, 2 AVX2
 threads, equal rows per expert, alternated builds): 1.13-1.15x at 1-8 rows an expert, 1.09-1.33x
 at 9-17, level at 24, 1.04-1.14x at 32-512 (166 GFLOP/s at 512, the rate of torch's sgemm on
-these shapes). Sixteen lanes against eight (Zen 4, the same experts): 1.09-1.10x at 8-16 rows,
-1.04-1.07x at 32-64, 1.02x at 512.
+these shapes). Sixteen lanes against eight (Zen 4, the same experts): 1.04-1.14x at 5-64 rows an
+expert, 1.02x at 512.
 """
 from __future__ import annotations
 
@@ -89,30 +89,31 @@ def widest_lanes() -> int:
     return int(cpu_small_rows.small_rows_library().batchgen_tile_lanes())
 
 
-def tile_lanes(hidden: int, width: int) -> int:
-    """The lanes to tile experts of this hidden size (K) and width (N) with here: the widest the
-    kernel takes that divides both, at least 8 (KernelInputError when 8 does not)."""
-    for lanes in sorted(LANE_COUNTS, reverse=True):
-        if lanes <= widest_lanes() and hidden % lanes == 0 and width % lanes == 0:
-            return lanes
-    raise KernelInputError(f"tiled experts need N = {width} and K = {hidden} multiples of 8")
+def tile_lanes(lanes: int | None, **sizes: int) -> int:
+    """`lanes` for tiles whose named sizes (N, K, ...) the lanes must divide, checked
+    (KernelInputError naming them); None: the widest the kernel built here takes that divides
+    them all, at least 8."""
+    named = " and ".join(f"{name} = {size}" for name, size in sizes.items())
+    if lanes is None:
+        lanes = next((n for n in sorted(LANE_COUNTS, reverse=True)
+                      if n <= widest_lanes() and all(size % n == 0 for size in sizes.values())), 8)
+    if lanes not in LANE_COUNTS:
+        raise KernelInputError(f"tiles have 8 or 16 lanes, not {lanes}")
+    if any(size % lanes for size in sizes.values()):
+        raise KernelInputError(f"tiles of {lanes} lanes need {named} multiples of {lanes}")
+    return lanes
 
 
 def tile_experts(w13: torch.Tensor, w2: torch.Tensor, lanes: int | None = None) -> ExpertTiles:
     """w13 [E, 2N, K] and w2 [E, K, N] (fp32, N and K multiples of `lanes`) as tiles of `lanes`
-    lanes (8 or 16; None: `tile_lanes`)."""
+    lanes (8 or 16; None: the widest the kernel built here takes that divides N and K)."""
     if w13.dim() != 3 or w2.dim() != 3 or w13.dtype != torch.float32 or w2.dtype != torch.float32:
         raise KernelInputError(f"w13 and w2 must be 3-D float32 tensors, got {tuple(w13.shape)} {w13.dtype} and "
                                f"{tuple(w2.shape)} {w2.dtype}")
     E, K, N = w2.shape
     if w13.shape != (E, 2 * N, K):
         raise KernelInputError(f"w13 must be [{E}, {2 * N}, {K}] for w2 {tuple(w2.shape)}, got {tuple(w13.shape)}")
-    if lanes is None:
-        lanes = tile_lanes(K, N)
-    if lanes not in LANE_COUNTS:
-        raise KernelInputError(f"tiles have 8 or 16 lanes, not {lanes}")
-    if N % lanes or K % lanes:
-        raise KernelInputError(f"tiles of {lanes} lanes need N = {N} and K = {K} multiples of {lanes}")
+    lanes = tile_lanes(lanes, N=N, K=K)
     return ExpertTiles(_tile(w13, lanes), _tile(w2, lanes))
 
 

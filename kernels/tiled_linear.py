@@ -70,12 +70,7 @@ def tile_weight(w: torch.Tensor, lanes: int | None = None) -> TiledWeight:
     if w.dim() != 2 or w.dtype != torch.float32:
         raise KernelInputError(f"w must be a 2-D float32 tensor, got {tuple(w.shape)} {w.dtype}")
     n_out, k = w.shape
-    if lanes is None:
-        lanes = tile_lanes(k, n_out)
-    if lanes not in LANE_COUNTS:
-        raise KernelInputError(f"tiles have 8 or 16 lanes, not {lanes}")
-    if n_out % lanes or k % lanes:
-        raise KernelInputError(f"tiles of {lanes} lanes need Nout = {n_out} and K = {k} multiples of {lanes}")
+    lanes = tile_lanes(lanes, Nout=n_out, K=k)
     return TiledWeight(w.reshape(n_out // lanes, lanes, k).transpose(1, 2).contiguous())
 
 

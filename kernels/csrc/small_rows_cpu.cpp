@@ -318,12 +318,12 @@ struct Ahead {
 
 // A tiled kernel's registers, by its tiles' lanes (weight rows a tile interleaves): eight on AVX2
 // (ymm: RM x NV = 4 x 3 accumulators, the weight and x registers fill its sixteen), sixteen where
-// AVX-512 is built in (zmm: 8 x 3 accumulators of its 32 registers). The
-// sixteen-lane tiles measured 1.09-1.10x the eight-lane ones at 8-16 rows an expert, 1.04-1.07x at
-// 32-64, 1.02x at 512 (8 experts of 1024 x 1024 from memory, 2 threads, Zen 4, builds alternated):
-// about the same multiply-add rate (Zen 4 runs a zmm multiply-add as two ymm halves), from half the
-// instructions and loads. 12 x 2 was 0.86-0.89x, 5 x 4 and 7 x 3 level or worse. The outputs are
-// the same floats either way: one chain of multiply-adds over k for each.
+// AVX-512 is built in (zmm: 8 x 3 accumulators of its 32 registers). The sixteen-lane tiles
+// measured 1.04-1.14x the eight-lane ones at 5-64 rows an expert, 1.02x at 512 (8 experts of
+// 1024 x 1024 from memory, 2 threads, Zen 4, builds alternated), 1.05x on a benchmark job's decode
+// calls replayed: about the same multiply-add rate (Zen 4 runs a zmm multiply-add as two ymm
+// halves), from half the instructions and loads. 12 x 2 was 0.86-0.89x, 5 x 4 and 7 x 3 level or
+// worse. The outputs are the same floats either way: one chain of multiply-adds over k for each.
 template <int L>
 struct TileShape;
 template <>
@@ -501,8 +501,8 @@ inline v8 exp8(v8 x) {
 // out[j * stride] = silu(gate[j]) * up[j] for j < n (silu(g) = g / (1 + exp(-g))): eight at a
 // time, the last few through a padded vector, so every element takes the same arithmetic
 // wherever it sits (a row's result never depends on its batch). Against std::exp one at a time
-// (what this replaced): 1.03-1.04x the whole expert layer at 48-512 rows an expert of 1024 x
-// 1024, 1.13-1.17x at 8-256 rows of 256 x 512, where the exponentials are a larger share.
+// (what this replaced): 1.02-1.06x the whole expert layer at 8-512 rows an expert of 1024 x 1024,
+// 1.11-1.18x at 8-256 rows of 256 x 512, where the exponentials are a larger share.
 inline v8 silu_times8(v8 g, v8 u) {
   const v8 s = g / (1.f + exp8(-g));
   return (g < -88.3762626647949f ? v8{} : s) * u;  // past the clamp silu is below 4e-37: zero
