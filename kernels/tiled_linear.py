@@ -1,12 +1,13 @@
 """Dense weights stored in tiles for the CPU (csrc/small_rows_cpu.cpp, `batchgen_linear_tiled`).
 
-A weight w [Nout, K] of at least TILE_BYTES is kept as [Nout / L, K, L] (tile[k, lane] = w[L p + lane, k]), L the lanes
-of expert_tiles.py's tiles (16 with AVX-512 where Nout and K allow, else 8). The same kernel tile
-as the experts' reads it at every row count: an x element broadcast against L weight rows, the
-next block's weights prefetched while one computes. It replaces both paths of a plain weight
-(the small-row kernel up to 256 rows, sgemm above): measured on Zen 4 (2 threads, 16 weights of
-1536 x 1024 read from memory in turn, alternated) 1.26-1.71x the small-row kernel at 1-8 rows, 1.06-1.12x at
-16-256, and 1.18-1.34x torch's sgemm at 512-2048 rows (212-222 GFLOP/s against 166-180).
+A weight w [Nout, K] of at least TILE_BYTES is kept as [Nout / L, K, L] (tile[k, lane] =
+w[L p + lane, k]), L the lanes of expert_tiles.py's tiles (16 with AVX-512 where Nout and K
+allow, else 8). The experts' kernel tile reads it at every row count: an x element broadcast
+against L weight rows, the next block's weights prefetched while one computes. It replaces both
+paths of a plain weight (the small-row kernel up to 256 rows, sgemm above): measured on Zen 4
+(2 threads, 16 weights of 1536 x 1024 read from memory in turn, alternated) 1.26-1.71x the
+small-row kernel at 1-8 rows, 1.06-1.12x at 16-256, and 1.18-1.34x torch's sgemm at 512-2048
+rows (212-222 GFLOP/s against 166-180).
 
 Every output is one chain of fused multiply-adds over k: a row's result never depends on its
 batch, and 8- and 16-lane tiles give the same floats. The reference is F.linear on the untiled
