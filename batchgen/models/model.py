@@ -132,8 +132,9 @@ class Model:
             a, f = layer.attention, layer.ffn
             if isinstance(a, GQAWeights):
                 a.qkv, a.o = tiled(a.qkv), tiled(a.o)
-            for m in (f,) if isinstance(f, MLPWeights) else (f.shared,) if f.shared is not None else ():
-                m.gate_up, m.down = tiled(m.gate_up), tiled(m.down)
+            mlp_weights = f if isinstance(f, MLPWeights) else f.shared  # a dense FFN, or an MoE's shared expert
+            if mlp_weights is not None:
+                mlp_weights.gate_up, mlp_weights.down = tiled(mlp_weights.gate_up), tiled(mlp_weights.down)
         if weights.lm_head is not weights.embed:
             weights.lm_head = tiled(weights.lm_head)
 

@@ -316,6 +316,11 @@ struct Ahead {
   int64_t lines = 0;
 };
 
+// The Ahead of `rows` weight rows of `len` floats from w.
+inline Ahead weights_ahead(const float* w, int rows, int len) {
+  return {reinterpret_cast<const char*>(w), (static_cast<int64_t>(rows) * len * 4 + 63) / 64};
+}
+
 // A tiled kernel's registers, by its tiles' lanes (weight rows a tile interleaves): eight on AVX2
 // (ymm: RM x NV = 4 x 3 accumulators, the weight and x registers fill its sixteen), sixteen where
 // AVX-512 is built in (zmm: 8 x 3 accumulators of its 32 registers). The sixteen-lane tiles
@@ -555,7 +560,6 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
     const int c0 = static_cast<int>(item % k_blocks) * block;
     return std::make_pair(w2 + (static_cast<int64_t>(e) * k_len + c0) * n_len, std::min(block, k_len - c0));
   };
-  auto lines = [](int rows, int len) { return (static_cast<int64_t>(rows) * len * 4 + 63) / 64; };
   std::vector<int32_t> experts;
   std::vector<std::pair<int32_t, int32_t>> panels;  // (expert, panel) to pack
   std::vector<int64_t> at(num_experts + 1, 0);  // each expert's first row in the scratch (padded for panels)
@@ -609,11 +613,11 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
       Ahead gate_ahead, up_ahead;  // the next item's gate and up blocks, or the second phase's first block
       if (tiled && m >= kAheadRows && item + 1 < bounds1[me + 1]) {
         const auto [next, rows] = gate_block(experts[(item + 1) / n_blocks], item + 1);
-        gate_ahead = {reinterpret_cast<const char*>(next), lines(rows, k_len)};
-        up_ahead = {reinterpret_cast<const char*>(next + static_cast<int64_t>(n_len) * k_len), lines(rows, k_len)};
+        gate_ahead = weights_ahead(next, rows, k_len);
+        up_ahead = weights_ahead(next + static_cast<int64_t>(n_len) * k_len, rows, k_len);
       } else if (tiled && m >= kAheadRows && bounds2[me] < bounds2[me + 1]) {
         const auto [next, rows] = w2_block(experts[bounds2[me] / k_blocks], bounds2[me]);
-        up_ahead = {reinterpret_cast<const char*>(next), lines(rows, n_len)};
+        up_ahead = weights_ahead(next, rows, n_len);
       }
       dots_of(x_of(e), k_len, m, wg, k_len, n, gate, block, gate_ahead);
       dots_of(x_of(e), k_len, m, wg + static_cast<int64_t>(n_len) * k_len, k_len, n, up, block, up_ahead);
@@ -638,7 +642,7 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
       Ahead ahead;
       if (tiled && m >= kAheadRows && item + 1 < bounds2[me + 1]) {
         const auto [next, rows] = w2_block(experts[(item + 1) / k_blocks], item + 1);
-        ahead = {reinterpret_cast<const char*>(next), lines(rows, n_len)};
+        ahead = weights_ahead(next, rows, n_len);
       }
       dots_of(h + at[e] * n_len, n_len, m, wd, n_len, n, y + starts[e] * k_len + c0, k_len, ahead);
     }
@@ -706,10 +710,6 @@ void linear_tiled(int32_t num_threads, const float* x, int64_t ldx, const float*
                   int32_t m, int32_t k_len, int32_t n_out) {
   constexpr int block = 3 * L;
   const int64_t items = (n_out + block - 1) / block;
-  auto lines = [&](int64_t item) {
-    const int rows = std::min<int64_t>(block, n_out - item * block);
-    return (static_cast<int64_t>(rows) * k_len * 4 + 63) / 64;
-  };
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
   {
     const Team team = this_team();
@@ -718,8 +718,10 @@ void linear_tiled(int32_t num_threads, const float* x, int64_t ldx, const float*
       const int c0 = static_cast<int>(item * block);
       const int n = std::min(block, n_out - c0);
       Ahead ahead;
-      if (m >= kAheadRows && item + 1 < last)
-        ahead = {reinterpret_cast<const char*>(wt + static_cast<int64_t>(c0 + block) * k_len), lines(item + 1)};
+      if (m >= kAheadRows && item + 1 < last) {
+        const int next = c0 + block;
+        ahead = weights_ahead(wt + static_cast<int64_t>(next) * k_len, std::min(block, n_out - next), k_len);
+      }
       tiled_dots<L>(x, ldx, m, wt + static_cast<int64_t>(c0) * k_len, k_len, n, y + c0, n_out, ahead);
       if (bias)
         for (int i = 0; i < m; ++i)
