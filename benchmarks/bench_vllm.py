@@ -62,7 +62,7 @@ KERNEL_RANGES = {
     ("batchgen_kernels.grouped_moe", "moe_routed_small_rows_cpu"): "batchgen::moe_small_rows",
     ("batchgen.models.moe", "moe_tiled_cpu"): "batchgen::moe_tiled",
     ("batchgen_kernels.cpu_small_rows", "linear_small_rows_unchecked"): "batchgen::linear_small_rows",
-    ("batchgen_kernels.tiled_linear", "linear_tiled_cpu"): "batchgen::linear_tiled",
+    ("batchgen_kernels.tiled_linear", "linear_tiled_unchecked"): "batchgen::linear_tiled",
     ("batchgen.models.cuda_decode", "paged_attention_gqa_cpu"): "batchgen::paged_decode_attention",
     ("batchgen.models.attention", "rope_kv_write_cpu"): "batchgen::rope_kv_write",
 }
