@@ -118,22 +118,29 @@ def build_model(kind: str, path: Path, seed: int = 0) -> Path:
     return path
 
 
-def flops(config: dict[str, Any], prompts: list[list[int]], lengths: list[int]) -> float:
-    """Matmul FLOPs of the whole job (see the module docstring)."""
+def token_flops(config: dict[str, Any]) -> tuple[float, float, float]:
+    """-> (matmul FLOPs of one token through the layers: attention projections, router, top_k
+    experts; of the LM head for one sampled token; of attention per position a token attends to),
+    2 FLOPs a multiply-add."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
     proj = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o; k, v
     experts = config["num_experts_per_tok"] * 3 * h * config["intermediate_size"]
     router = h * config["num_local_experts"]
-    per_token = 2 * layers * (proj + experts + router)
-    lm_head = 2 * h * config["vocab_size"]
+    # QK^T and AV: 2 FLOPs each per head dim
+    return 2 * layers * (proj + experts + router), 2 * h * config["vocab_size"], 4 * layers * heads * head_dim
+
+
+def flops(config: dict[str, Any], prompts: list[list[int]], lengths: list[int]) -> float:
+    """Matmul FLOPs of the whole job (see the module docstring). A row of prompt p and n new tokens
+    runs p + n - 1 tokens through the layers (its last token is only sampled) and samples n."""
+    per_token, lm_head, per_position = token_flops(config)
     total = 0.0
     for p, n in zip(prompts, lengths):
-        tokens = len(p) + n
-        # position i attends to i + 1 positions: QK^T and AV, 2 FLOPs each per head dim
-        ctx = tokens * (tokens + 1) / 2
-        total += tokens * per_token + n * lm_head + 4 * layers * heads * head_dim * ctx
+        tokens = len(p) + n - 1
+        # position i attends to i + 1 positions
+        total += tokens * per_token + n * lm_head + per_position * tokens * (tokens + 1) / 2
     return total
 
 
@@ -148,6 +155,48 @@ def gemm_peak(threads: int, dtype: torch.dtype, n: int = 4096, repeats: int = 5)
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
+
+
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s of the best of `repeats` reads of a `gib` GiB fp32 tensor (a max over it) with torch
+    on `threads` threads: far larger than the caches, so read from memory each time."""
+    torch.set_num_threads(threads)
+    x = torch.empty(int(gib * (1 << 30)) // 4).normal_()
+    torch.amax(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.amax(x)
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def roofline_seconds(config: dict[str, Any], prompts: list[list[int]], lengths: list[int], flop_rate: float,
+                     byte_rate: float) -> float:
+    """The job's time if every step ran at its roofline, all rows batched from the start (as
+    batchgen and vLLM run them while they fit one batch): the prompts at their FLOPs over
+    flop_rate, then one decode step per generated position after the first, each taking the larger
+    of its FLOPs over flop_rate and the bytes it must read over byte_rate (the attention
+    projections, router and LM head, the experts its rows route to, every running row's KV cache
+    so far; fp32). Experts read: the expected number under uniform routing (random routers route
+    about evenly), so this is an estimate, not a bound: a skewed router reads fewer."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    kv_width = 2 * config["num_key_value_heads"] * (config.get("head_dim") or h // config["num_attention_heads"])
+    experts, top_k = config["num_local_experts"], config["num_experts_per_tok"]
+    per_token, lm_head_flops, per_position = token_flops(config)
+    expert = 3 * h * config["intermediate_size"]
+    # weights a step reads besides its experts: everything a token multiplies by but the experts
+    shared = (per_token / 2 / layers - top_k * expert) * layers + lm_head_flops / 2
+    seconds = sum(len(p) * per_token + lm_head_flops + per_position * len(p) * (len(p) + 1) / 2
+                  for p in prompts) / flop_rate
+    for step in range(1, max(lengths)):
+        running = [i for i, n in enumerate(lengths) if n > step]
+        positions = sum(len(prompts[i]) + step for i in running)  # each running row's context
+        step_flops = len(running) * (per_token + lm_head_flops) + per_position * positions
+        read_experts = experts * (1 - (1 - top_k / experts) ** len(running))  # a row misses one w.p. 1 - k/E
+        step_bytes = 4 * (shared + layers * read_experts * expert + layers * kv_width * positions)
+        seconds += max(step_flops / flop_rate, step_bytes / byte_rate)
+    return seconds
 
 
 def has_fast_bf16() -> bool:
@@ -281,6 +330,7 @@ def main() -> None:
     python = ensure_vllm(args.vllm_venv)
     peak32 = gemm_peak(args.threads, torch.float32)
     peak16 = gemm_peak(args.threads, torch.bfloat16) if has_fast_bf16() else None
+    bandwidth = read_bandwidth(args.threads)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args.model, Path(tmp) / args.model, args.seed)
@@ -326,7 +376,11 @@ def main() -> None:
           f"{gen} generated + {tokens - gen} prompt tokens; {args.threads} threads; {args.pairs} alternating pairs")
     bf16 = f"{peak16 / 1e9:.1f} GFLOP/s" if peak16 is not None else "not native here, not measured"
     print(f"machine peak: fp32 GEMM {peak32 / 1e9:.1f} GFLOP/s, bf16 GEMM {bf16} "
-          f"(torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()})")
+          f"(torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}); memory read "
+          f"{bandwidth / 1e9:.1f} GB/s")
+    roofline = roofline_seconds(config, prompts, lengths, peak32, bandwidth)
+    print(f"roofline: {roofline:.2f} s (each step at its FLOPs over the fp32 peak or its bytes over the read rate, "
+          f"whichever is longer; experts read as under uniform routing)")
     engines = [("vLLM-CPU", t_vllm), ("batchgen", t_bg)]
     if t_lc:
         print(f"llama.cpp (GGUF f32, n_batch {args.llamacpp_n_batch}) by slot count, one run each: "
@@ -336,7 +390,8 @@ def main() -> None:
         best = min(times)
         rate = job_flops / statistics.median(times)
         print(f"{name:9s}: {gen / statistics.median(times):8.1f} generated tok/s (median), best {gen / best:8.1f}; "
-              f"{rate / 1e9:6.1f} GFLOP/s = {rate / peak32:5.1%} of the fp32 GEMM peak")
+              f"{rate / 1e9:6.1f} GFLOP/s = {rate / peak32:5.1%} of the fp32 GEMM peak; "
+              f"{roofline / statistics.median(times):5.1%} of the roofline's speed")
     print("batchgen / vLLM per pair: " + ", ".join(f"{r:.2f}x" for r in ratios)
           + f"; median {statistics.median(ratios):.2f}x")
     if t_lc:
