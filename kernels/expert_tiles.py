@@ -28,6 +28,7 @@ import torch
 
 from . import cpu_small_rows
 from .errors import KernelInputError
+from .huge_pages import contiguous_on_huge_pages
 
 LANE_COUNTS = (8, 16)  # weight rows a tile may interleave (the kernel's TileShape)
 
@@ -62,7 +63,7 @@ class ExpertTiles:
 
 def _tile(w: torch.Tensor, lanes: int) -> torch.Tensor:
     E, rows, k = w.shape
-    return w.view(E, rows // lanes, lanes, k).transpose(2, 3).contiguous()
+    return contiguous_on_huge_pages(w.view(E, rows // lanes, lanes, k).transpose(2, 3))
 
 
 def _untile(t: torch.Tensor) -> torch.Tensor:

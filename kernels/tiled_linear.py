@@ -24,6 +24,7 @@ from . import cpu_small_rows
 from ._cpu_build import cpu_kernels
 from .errors import KernelInputError
 from .expert_tiles import LANE_COUNTS, tile_lanes, widest_lanes
+from .huge_pages import contiguous_on_huge_pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,7 @@ def tile_weight(w: torch.Tensor, lanes: int | None = None) -> TiledWeight:
         raise KernelInputError(f"w must be a 2-D float32 tensor, got {tuple(w.shape)} {w.dtype}")
     n_out, k = w.shape
     lanes = tile_lanes(lanes, Nout=n_out, K=k)
-    return TiledWeight(w.reshape(n_out // lanes, lanes, k).transpose(1, 2).contiguous())
+    return TiledWeight(contiguous_on_huge_pages(w.reshape(n_out // lanes, lanes, k).transpose(1, 2)))
 
 
 def linear_tiled_cpu(x: torch.Tensor, w: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

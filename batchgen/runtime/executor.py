@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from batchgen_kernels.huge_pages import zeros_on_huge_pages
+
 from ..models.attention import AttentionBatch
 from ..models.cuda_decode import use_paged_kernel
 from ..models.model import Model
@@ -29,8 +31,11 @@ class Executor:
             and self.kv_device.type == "cuda" and use_paged_kernel(self.kv_device)
         # [layers, slots, W]: W = K and V of every kv head (GQA) or the latent (MLA); with graphs
         # one more slot, where padding rows write
-        self.cache = torch.zeros(model.num_layers, num_blocks * block_size + int(use_graphs), model.spec.kv_width,
-                                 dtype=model.dtype, device=self.kv_device)
+        shape = (model.num_layers, num_blocks * block_size + int(use_graphs), model.spec.kv_width)
+        # on the CPU on huge pages where they can be had: decode attention reads its blocks
+        # scattered through the pool (1.03-1.22x, batchgen_kernels.huge_pages)
+        self.cache = zeros_on_huge_pages(shape, model.dtype) if self.kv_device.type == "cpu" \
+            else torch.zeros(shape, dtype=model.dtype, device=self.kv_device)
         self.graphs = None
         if use_graphs:
             from .cuda_graphs import DecodeGraphs
