@@ -118,18 +118,26 @@ def build_model(kind: str, path: Path, seed: int = 0) -> Path:
     return path
 
 
+def head_dim(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def dense_params(config: dict[str, Any]) -> int:
+    """Weights of one layer a token multiplies by besides its experts: q, k, v, o and the router."""
+    h = config["hidden_size"]
+    return h * head_dim(config) * 2 * (config["num_attention_heads"] + config["num_key_value_heads"]) \
+        + h * config["num_local_experts"]
+
+
 def token_flops(config: dict[str, Any]) -> tuple[float, float, float]:
     """-> (matmul FLOPs of one token through the layers: attention projections, router, top_k
     experts; of the LM head for one sampled token; of attention per position a token attends to),
     2 FLOPs a multiply-add."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    proj = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o; k, v
     experts = config["num_experts_per_tok"] * 3 * h * config["intermediate_size"]
-    router = h * config["num_local_experts"]
     # QK^T and AV: 2 FLOPs each per head dim
-    return 2 * layers * (proj + experts + router), 2 * h * config["vocab_size"], 4 * layers * heads * head_dim
+    return (2 * layers * (dense_params(config) + experts), 2 * h * config["vocab_size"],
+            4 * layers * config["num_attention_heads"] * head_dim(config))
 
 
 def flops(config: dict[str, Any], prompts: list[list[int]], lengths: list[int]) -> float:
@@ -181,12 +189,11 @@ def roofline_seconds(config: dict[str, Any], prompts: list[list[int]], lengths: 
     so far; fp32). Experts read: the expected number under uniform routing (random routers route
     about evenly), so this is an estimate, not a bound: a skewed router reads fewer."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
-    kv_width = 2 * config["num_key_value_heads"] * (config.get("head_dim") or h // config["num_attention_heads"])
+    kv_width = 2 * config["num_key_value_heads"] * head_dim(config)
     experts, top_k = config["num_local_experts"], config["num_experts_per_tok"]
     per_token, lm_head_flops, per_position = token_flops(config)
     expert = 3 * h * config["intermediate_size"]
-    # weights a step reads besides its experts: everything a token multiplies by but the experts
-    shared = (per_token / 2 / layers - top_k * expert) * layers + lm_head_flops / 2
+    shared = layers * dense_params(config) + h * config["vocab_size"]  # what a step reads but experts
     seconds = sum(len(p) * per_token + lm_head_flops + per_position * len(p) * (len(p) + 1) / 2
                   for p in prompts) / flop_rate
     for step in range(1, max(lengths)):

@@ -50,7 +50,7 @@ def _on_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | N
     """An uninitialised (in fact zero: fresh anonymous memory) tensor whose data starts on a 2 MiB
     boundary in a private anonymous mapping advised MADV_HUGEPAGE; None when it cannot be had."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < MIN_BYTES or not huge_pages_available():
         return None
     try:
@@ -73,6 +73,6 @@ def zeros_on_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tenso
 
 
 def contiguous_on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """t.contiguous() for a CPU tensor, but a copy on huge pages where they can be had."""
-    out = _on_huge_pages(t.shape, t.dtype)
+    """t.contiguous(), but for a CPU tensor a copy on huge pages where they can be had."""
+    out = _on_huge_pages(t.shape, t.dtype) if t.device.type == "cpu" else None
     return t.contiguous() if out is None else out.copy_(t)
