@@ -152,17 +152,22 @@ def flops(config: dict[str, Any], prompts: list[list[int]], lengths: list[int]) 
     return total
 
 
+def best_seconds(fn: Any, repeats: int) -> float:
+    """The shortest of `repeats` timed calls of fn, after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def gemm_peak(threads: int, dtype: torch.dtype, n: int = 4096, repeats: int = 5) -> float:
     """FLOP/s of the best of `repeats` n x n x n matmuls with torch on `threads` threads."""
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats)
 
 
 def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
@@ -170,13 +175,7 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
     on `threads` threads: far larger than the caches, so read from memory each time."""
     torch.set_num_threads(threads)
     x = torch.empty(int(gib * (1 << 30)) // 4).normal_()
-    torch.amax(x)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.amax(x)
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
+    return x.numel() * 4 / best_seconds(lambda: torch.amax(x), repeats)
 
 
 def roofline_seconds(config: dict[str, Any], prompts: list[list[int]], lengths: list[int], flop_rate: float,
