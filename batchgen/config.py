@@ -99,8 +99,9 @@ class EngineConfig:
     # CUDA: decode steps replay CUDA graphs captured per batch-size bucket (runtime/cuda_graphs.py);
     # True runs every step eagerly (vLLM's flag). No effect on CPU.
     enforce_eager: bool = False
-    # Where MALLOC_TRIM_THRESHOLD_ is set (Dask workers), raise glibc's mmap/trim thresholds for
-    # this process so activations reuse heap blocks instead of faulting in fresh pages (malloc.py).
+    # Raise glibc's mmap/trim thresholds for this process (also undoing Dask workers'
+    # MALLOC_TRIM_THRESHOLD_) so activations reuse heap blocks instead of faulting in fresh
+    # pages every step (malloc.py).
     restore_heap_reuse: bool = True
 
     def __post_init__(self) -> None:

@@ -50,7 +50,7 @@ class Engine:
         checkpoint's dtype on CUDA, float32 on CPU) / cuda when available."""
         self.config = c = EngineConfig.from_kwargs(dtype=dtype, device=device, **config_overrides)
         if c.restore_heap_reuse:
-            restore_heap_reuse()  # process-wide, once: see malloc.py (Dask workers run 1.34x slower without)
+            restore_heap_reuse()  # process-wide, once: see malloc.py (Dask workers ran 1.34x slower without)
         path = model_dir(model)  # a Hugging Face id becomes its cached snapshot (downloaded once per host)
         self.model = Model.load(path, c.dtype, c.device, c.expert_memory_bytes, c.expert_host_memory_bytes,
                                 StoreOptions(c.expert_eviction, c.expert_prefetch, c.expert_io_threads,

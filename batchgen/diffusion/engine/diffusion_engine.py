@@ -47,9 +47,9 @@ class DiffusionEngine:
         (CFG rows count twice) / image tokens in one step's forwards; max_image_tokens: the most
         image tokens one request may have (default: IMAGE_TOKENS_OVER_NATIVE x the model's native
         size, e.g. 1024 x 1024 px for a 256 px DiT); a larger request fails alone.
-        restore_heap_reuse: where Dask's MALLOC_TRIM_THRESHOLD_ pins glibc's thresholds, raise
-        them for this process (batchgen/malloc.py; measured: a worker's denoising loop ran 1.4-1.7x
-        slower without, its activations faulting in fresh pages every forward)."""
+        restore_heap_reuse: raise glibc's malloc thresholds for this process, which also undoes
+        Dask's MALLOC_TRIM_THRESHOLD_ (batchgen/malloc.py; measured: a worker's denoising loop ran
+        1.4-1.7x slower without, its activations faulting in fresh pages every forward)."""
         for name, value in (("max_batch_rows", max_batch_rows), ("max_batch_tokens", max_batch_tokens),
                             ("max_image_tokens", max_image_tokens)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
