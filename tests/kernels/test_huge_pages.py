@@ -31,6 +31,20 @@ def mapping_of(address: int) -> tuple[int, int, set[str]] | None:
     return None
 
 
+def resident_bytes(address: int) -> int:
+    """Rss of this process's mapping that holds address, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(v, 16) for v in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 def test_zeros_are_zeros_of_the_shape_and_dtype() -> None:
     for shape, dtype in ((LARGE, torch.float32), ((3, 5), torch.float32), ((2, 1024, 1024), torch.bfloat16)):
         t = huge_pages.zeros_on_huge_pages(shape, dtype)
@@ -54,6 +68,14 @@ def test_large_buffers_are_aligned_and_advised() -> None:
     assert t.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
     mapping = mapping_of(t.data_ptr())
     assert mapping is not None and "hg" in mapping[2]  # advised MADV_HUGEPAGE
+
+
+@needs_thp
+def test_zeros_are_faulted_in_when_made() -> None:
+    # as torch.zeros's are: a first touch (and the compaction it may wait for) belongs to loading,
+    # not to the steps that first write the buffer
+    t = huge_pages.zeros_on_huge_pages(LARGE, torch.float32)
+    assert resident_bytes(t.data_ptr()) >= t.numel() * t.element_size()
 
 
 @needs_thp
