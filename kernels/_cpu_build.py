@@ -137,7 +137,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "batchgen_rope_kv_write"):
         fn = lib.batchgen_rope_kv_write
         fn.restype = i64
-        fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i32, i32, i32]
+        fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i32, i32, i32, i32]
     if hasattr(lib, "batchgen_moe_small_rows"):
         fn = lib.batchgen_moe_small_rows
         fn.restype = i32

@@ -75,7 +75,8 @@ def rope_kv_write_cpu(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
     kv = torch.empty(T, 2 * hk * d, dtype=qkv.dtype)
     bad = lib.batchgen_rope_kv_write(_DTYPES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), cos.data_ptr(),
                                      sin.data_ptr(), slots.data_ptr(), q.data_ptr(), kv.data_ptr(), cache.data_ptr(),
-                                     cache.stride(0), cache.shape[0], T, hq, hk, d, 2 * half, int(interleaved))
+                                     cache.stride(0), cache.shape[0], T, hq, hk, d, 2 * half, int(interleaved),
+                                     torch.get_num_threads())
     if bad:
         raise KernelInputError(f"token {bad - 1}: slot {int(slots[bad - 1])} is outside the cache's "
                                f"{cache.shape[0]} slots")

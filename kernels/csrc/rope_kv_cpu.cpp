@@ -53,7 +53,7 @@ inline void rotate(const T* x, T* out, const float* cos, const float* sin, int d
 template <typename T>
 int64_t run(const void* qkv_, int64_t qkv_stride, const float* cos, const float* sin, const int64_t* slots,
             void* q_out_, void* kv_out_, void* cache_, int64_t cache_stride, int64_t num_slots, int32_t num_tokens,
-            int32_t hq, int32_t hk, int32_t d, int32_t r, int32_t interleaved) {
+            int32_t hq, int32_t hk, int32_t d, int32_t r, int32_t interleaved, int32_t num_threads) {
   for (int t = 0; t < num_tokens; ++t)
     if (slots[t] < 0 || slots[t] >= num_slots) return t + 1;
   const T* qkv = static_cast<const T*>(qkv_);
@@ -61,6 +61,9 @@ int64_t run(const void* qkv_, int64_t qkv_stride, const float* cos, const float*
   T* kv_out = static_cast<T*>(kv_out_);
   T* cache = static_cast<T*>(cache_);
   const int half = r / 2, w = 2 * hk * d;
+  // tokens are independent (each writes its own q, kv and cache rows): a prompt step's
+  // thousands split over the threads; a decode step's few stay on one (no fork to pay)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && num_tokens >= 64)
   for (int t = 0; t < num_tokens; ++t) {
     const T* row = qkv + t * qkv_stride;
     const float* c = cos + static_cast<int64_t>(t) * half;
@@ -78,16 +81,17 @@ int64_t run(const void* qkv_, int64_t qkv_stride, const float* cos, const float*
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16 (qkv, outputs and cache alike). -> 0, or 1 + the first token
-// whose slot is outside the cache (nothing written then).
+// dtype: 0 float32, 1 bfloat16 (qkv, outputs and cache alike); num_threads: at most this many
+// (torch's intra-op count). -> 0, or 1 + the first token whose slot is outside the cache
+// (nothing written then).
 int64_t batchgen_rope_kv_write(int32_t dtype, const void* qkv, int64_t qkv_stride, const float* cos,
                                const float* sin, const int64_t* slots, void* q_out, void* kv_out, void* cache,
                                int64_t cache_stride, int64_t num_slots, int32_t num_tokens, int32_t hq, int32_t hk,
-                               int32_t d, int32_t r, int32_t interleaved) {
+                               int32_t d, int32_t r, int32_t interleaved, int32_t num_threads) {
   return dtype == 0 ? run<float>(qkv, qkv_stride, cos, sin, slots, q_out, kv_out, cache, cache_stride, num_slots,
-                                 num_tokens, hq, hk, d, r, interleaved)
+                                 num_tokens, hq, hk, d, r, interleaved, num_threads)
                     : run<uint16_t>(qkv, qkv_stride, cos, sin, slots, q_out, kv_out, cache, cache_stride, num_slots,
-                                    num_tokens, hq, hk, d, r, interleaved);
+                                    num_tokens, hq, hk, d, r, interleaved, num_threads);
 }
 
 int32_t batchgen_abi_version() { return 1; }
