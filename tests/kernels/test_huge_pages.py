@@ -17,32 +17,34 @@ needs_thp = pytest.mark.skipif(not huge_pages.huge_pages_available(),
                                reason="transparent huge pages unavailable here (not Linux, or mode never)")
 
 
-def mapping_of(address: int) -> tuple[int, int, set[str]] | None:
-    """(start, end, VmFlags) of this process's mapping that holds address, from /proc/self/smaps."""
-    found = None
+def smaps_entry(address: int) -> tuple[int, int, dict[str, str]] | None:
+    """(start, end, fields) of this process's mapping that holds address, from /proc/self/smaps."""
+    found: tuple[int, int, dict[str, str]] | None = None
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and ":" not in head:
+                if found is not None:
+                    return found
                 start, end = (int(v, 16) for v in head.split("-"))
-                found = (start, end) if start <= address < end else None
-            elif found and line.startswith("VmFlags:"):
-                return found[0], found[1], set(line.split()[1:])
-    return None
+                found = (start, end, {}) if start <= address < end else None
+            elif found is not None:
+                name, _, value = line.partition(":")
+                found[2][name] = value.strip()
+    return found
+
+
+def mapping_of(address: int) -> tuple[int, int, set[str]] | None:
+    """(start, end, VmFlags) of this process's mapping that holds address."""
+    entry = smaps_entry(address)
+    return None if entry is None else (entry[0], entry[1], set(entry[2]["VmFlags"].split()))
 
 
 def resident_bytes(address: int) -> int:
-    """Rss of this process's mapping that holds address, from /proc/self/smaps."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                start, end = (int(v, 16) for v in head.split("-"))
-                inside = start <= address < end
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
+    """Rss of this process's mapping that holds address."""
+    entry = smaps_entry(address)
+    assert entry is not None, f"no mapping holds {address:#x}"
+    return int(entry[2]["Rss"].split()[0]) * 1024
 
 
 def test_zeros_are_zeros_of_the_shape_and_dtype() -> None:
