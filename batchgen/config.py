@@ -54,7 +54,9 @@ class EngineConfig:
     device: str | None = None  # None: cuda when available, else cpu
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA, what gpu_memory_utilization leaves
+    # None: on CUDA what gpu_memory_utilization leaves; in host memory 1 GiB, or what max_num_seqs
+    # rows at max_model_len hold where that is less
+    kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device the weights + KV cache may use
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int | None = None  # None: 256, or OFFLOAD_MAX_NUM_SEQS with experts offloaded

@@ -22,12 +22,18 @@ def device_class(device: torch.device, dtype: torch.dtype, config: EngineConfig)
     return f"{device.type} {where} {str(dtype).removeprefix('torch.')}{tiers}{' kv-on-host' if config.kv_cache_on_host else ''}"
 
 
-def kv_budget(config: EngineConfig, device: torch.device) -> int:
+HOST_KV_BYTES = 1 << 30
+
+
+def kv_budget(config: EngineConfig, device: torch.device, most_bytes: int) -> int:
     """Bytes for the KV pool: as configured; else on CUDA what the utilization target leaves
-    after the weights (and whatever else holds the device), in host memory 1 GiB."""
+    after the weights (and whatever else holds the device); in host memory HOST_KV_BYTES, or
+    most_bytes (what max_num_seqs rows at max_model_len hold) where that is less: a host pool's
+    pages are faulted in when it is made, so a small model's engine should not pay for a GiB it
+    can never fill."""
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
     if device.type == "cuda" and not config.kv_cache_on_host:
         free, total = torch.cuda.mem_get_info(device)
         return max(0, int(free - (1 - config.gpu_memory_utilization) * total))
-    return 1 << 30
+    return min(HOST_KV_BYTES, most_bytes)

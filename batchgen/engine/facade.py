@@ -61,7 +61,8 @@ class Engine:
         self.model_dir, self.tokenizer, self.eos_token_ids = path, info.tokenizer, info.eos_token_ids
         self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len
         bs, kv_per_token = c.block_size, self.model.kv_bytes_per_token()
-        num_blocks = c.num_kv_blocks or max(1, kv_budget(c, self.model.device) // (bs * kv_per_token))
+        most_bytes = c.max_num_seqs * -(-self.max_model_len // bs) * bs * kv_per_token  # every seat full
+        num_blocks = c.num_kv_blocks or max(1, kv_budget(c, self.model.device, most_bytes) // (bs * kv_per_token))
         self.allocator = BlockAllocator(num_blocks, bs)
         # Exact for every supported model: KV depends on the token prefix alone, and sliding-window
         # layers keep every position's KV (masked, never freed), so a cached block is what the row
