@@ -194,7 +194,7 @@ def test_runtime_switches_a_trajectorys_degree_when_the_queue_drains(pipes, clus
     cost = CostModel(fixed=0.0, per_token=1e-3, per_attn=0.0, per_comm_token=0.0, comm_fixed=0.02)
     # the loops run free until the other worker is idle: the large one has steps enough to outlast
     # the small ones (4 steps and 2 decodes on the other worker) many times over, even on a machine
-    # busy with other tests (64 steps were outlasted there once); engines warm
+    # busy with other tests; engines warm
     client.gather([client.submit(_warm, path, workers=[w], pure=False) for w in client.scheduler_info()["workers"]])
     steps = 192
     large = ImageRequest(class_label=3, height=32, width=32, num_inference_steps=steps, guidance_scale=1.0, seed=7)

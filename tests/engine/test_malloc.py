@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
 import pytest
 
+needs_glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                                 reason="glibc's mallopt")
 PROBE = "from batchgen.malloc import restore_heap_reuse as r; print(r(), r())"
 
 
@@ -16,7 +19,7 @@ def probe(**env: str) -> str:
                           check=True, timeout=60).stdout.strip()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+@needs_glibc
 @pytest.mark.parametrize("env", [{}, {"MALLOC_TRIM_THRESHOLD_": "65536"}], ids=["glibc-defaults", "dask-pinned"])
 def test_thresholds_are_raised_once_per_process(env: dict[str, str]) -> None:
     assert probe(**env) == "True False"  # changed, then already done
@@ -39,7 +42,7 @@ print(*faults)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+@needs_glibc
 def test_freed_activations_are_reused_instead_of_faulted_in_again() -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env = {**clean, "MALLOC_TRIM_THRESHOLD_": "65536"}  # as Dask's nanny starts workers
@@ -49,12 +52,13 @@ def test_freed_activations_are_reused_instead_of_faulted_in_again() -> None:
                              check=True, timeout=120).stdout
         return [int(v) for v in out.split()]
 
-    pages = 6 * (8 << 20) // 4096
-    assert min(faults("keep")[4:]) > pages // 2  # every round maps its blocks afresh
-    assert sum(faults("restore")[4:]) < pages // 4  # the heap hands the same pages back
+    # counted relative to each other, not in 4 KiB pages: with THP `always` a fault maps 2 MiB
+    keep, restore = faults("keep")[4:], faults("restore")[4:]
+    assert min(keep) > 0  # every round maps its blocks afresh
+    assert 4 * sum(restore) < sum(keep)  # the heap hands the same pages back
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+@needs_glibc
 def test_a_diffusion_engine_restores_heap_reuse_unless_told_not_to(tmp_path) -> None:
     pytest.importorskip("diffusers")
     import tiny_diffusion as tiny
