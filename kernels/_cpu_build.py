@@ -150,6 +150,17 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = lib.batchgen_moe_routed_tiled
         fn.restype = i32
         fn.argtypes = [i32, ptr, i64, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr]
+    if hasattr(lib, "batchgen_moe_routed_bf16"):
+        fn = lib.batchgen_moe_routed_bf16
+        fn.restype = i32
+        fn.argtypes = [i32, ptr, i64, i32, ptr, ptr, ptr, ptr, i32, i32, i32, ptr]
+    if hasattr(lib, "batchgen_linear_bf16"):
+        fn = lib.batchgen_linear_bf16
+        fn.restype = i32
+        fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32]
+    if hasattr(lib, "batchgen_bf16_experts_supported"):
+        lib.batchgen_bf16_experts_supported.restype = i32
+        lib.batchgen_bf16_experts_supported.argtypes = []
     if hasattr(lib, "batchgen_linear_tiled"):
         fn = lib.batchgen_linear_tiled
         fn.restype = i32
