@@ -60,8 +60,9 @@ def generate_in_batches(model: torch.nn.Module, prompts: list[list[int]], length
 
 def run_batchgen(model_dir: Path, prompts: list[list[int]], lengths: list[int], **options: object
                  ) -> tuple[float, dict[str, float], list[list[int]]]:
-    """-> (seconds, stats_summary, generated tokens per row)."""
-    engine = Engine(model_dir, dtype="float32", **options)
+    """-> (seconds, stats_summary, generated tokens per row); options go to Engine (dtype float32
+    unless given)."""
+    engine = Engine(model_dir, **({"dtype": "float32"} | options))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     start = time.perf_counter()
     outs = engine.generate(prompts, params)

@@ -53,10 +53,10 @@ runpy.run_path(str(conv), run_name="__main__")
 '''
 
 
-def convert(model_dir: Path, converter: Path, out: Path) -> Path:
-    """HF checkpoint -> GGUF f32 with llama.cpp's own converter."""
+def convert(model_dir: Path, converter: Path, out: Path, outtype: str = "f32") -> Path:
+    """HF checkpoint -> GGUF (`outtype`: f32, bf16, ...) with llama.cpp's own converter."""
     subprocess.run([sys.executable, "-c", _CONVERT, str(converter), str(model_dir), "--outfile", str(out),
-                    "--outtype", "f32"], check=True, capture_output=True)
+                    "--outtype", outtype], check=True, capture_output=True)
     return out
 
 

@@ -11,7 +11,9 @@ Two Mixtral-layout MoE models are built at random with transformers' config clas
 
 The requests are bench_engine's: 192 rows, prompts of 8-96 random ids, heavy-tailed output
 lengths (lognormal, median ~27, at most 400), greedy, ignore_eos, fp32 (every engine produces
-exactly the same token counts). vLLM runs its offline `LLM.generate` on token-id prompts in its
+exactly the same token counts). With --dtype bfloat16 every engine runs in bf16 instead (where the
+CPU multiplies bf16 natively), the shares are of the bf16 GEMM peak, and the tokens are compared
+with transformers' in bf16 without being required equal. vLLM runs its offline `LLM.generate` on token-id prompts in its
 own virtualenv (it pins its own transformers; the CUDA builds of torchvision/torchaudio/
 torchcodec that the registry gives it are removed: they do not load beside torch+cpu), as a
 subprocess per run; the script creates that virtualenv on first use (--vllm-venv). Model
@@ -30,6 +32,7 @@ time against a large fp32 GEMM on the same threads (and bf16 where the CPU has A
 
     python benchmarks/bench_vllm.py --model small --pairs 3
     python benchmarks/bench_vllm.py --model compute --pairs 2 --breakdown
+    python benchmarks/bench_vllm.py --model compute --pairs 3 --dtype bfloat16
     python benchmarks/bench_vllm.py --model small --pairs 3 \
         --llamacpp-converter llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py
 """
@@ -55,6 +58,7 @@ from bench_engine import run_batchgen, workload  # noqa: E402
 from bench_llamacpp import convert, run_llamacpp  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
+DTYPES = {"float32": (torch.float32, "f32"), "bfloat16": (torch.bfloat16, "bf16")}  # -> (torch, GGUF outtype)
 # profiler ranges around the compiled CPU kernels (ctypes calls, which the profiler does not
 # see), by the module that calls each and the name it calls it by
 KERNEL_RANGES = {
@@ -82,7 +86,7 @@ def main():
     from vllm.inputs import TokensPrompt
 
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
               max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"])
 
     def run(prompts, lengths):
@@ -179,13 +183,13 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def roofline_seconds(config: dict[str, Any], prompts: list[list[int]], lengths: list[int], flop_rate: float,
-                     byte_rate: float) -> float:
+                     byte_rate: float, itemsize: int = 4) -> float:
     """The job's time if every step ran at its roofline, all rows batched from the start (as
     batchgen and vLLM run them while they fit one batch): the prompts at their FLOPs over
     flop_rate, then one decode step per generated position after the first, each taking the larger
     of its FLOPs over flop_rate and the bytes it must read over byte_rate (the attention
     projections, router and LM head, the experts its rows route to, every running row's KV cache
-    so far; fp32). Experts read: the expected number under uniform routing (random routers route
+    so far; `itemsize` bytes a value). Experts read: the expected number under uniform routing (random routers route
     about evenly), so this is an estimate, not a bound: a skewed router reads fewer."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     kv_width = 2 * config["num_key_value_heads"] * head_dim(config)
@@ -200,9 +204,29 @@ def roofline_seconds(config: dict[str, Any], prompts: list[list[int]], lengths: 
         positions = sum(len(prompts[i]) + step for i in running)  # each running row's context
         step_flops = len(running) * (per_token + lm_head_flops) + per_position * positions
         read_experts = experts * (1 - (1 - top_k / experts) ** len(running))  # a row misses one w.p. 1 - k/E
-        step_bytes = 4 * (shared + layers * read_experts * expert + layers * kv_width * positions)
+        step_bytes = itemsize * (shared + layers * read_experts * expert + layers * kv_width * positions)
         seconds += max(step_flops / flop_rate, step_bytes / byte_rate)
     return seconds
+
+
+def reference_tokens(model_dir: Path, prompts: list[list[int]], lengths: list[int], dtype: torch.dtype
+                     ) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt alone: tiny_models.reference_generate in fp32,
+    else the model loaded in `dtype` with the stop tokens ignored, as the engines run."""
+    from tiny_models import reference_generate
+
+    if dtype is torch.float32:
+        return [reference_generate(str(model_dir), p, n) for p, n in zip(prompts, lengths)]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    out = []
+    for p, n in zip(prompts, lengths):
+        ids = torch.tensor([p])
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=[], pad_token_id=0)
+        out.append(got[0, len(p):].tolist())
+    return out
 
 
 def has_fast_bf16() -> bool:
@@ -227,9 +251,9 @@ def ensure_vllm(venv: Path) -> Path:
 
 
 def run_vllm(python: Path, model_dir: Path, prompts: list[list[int]], lengths: list[int], threads: int,
-             work: Path) -> tuple[float, list[list[int]]]:
+             work: Path, dtype: str = "float32") -> tuple[float, list[list[int]]]:
     spec = {"model": str(model_dir), "prompts": prompts, "lengths": lengths, "max_num_seqs": 256,
-            "max_num_batched_tokens": 8192, "max_model_len": 2048}
+            "max_num_batched_tokens": 8192, "max_model_len": 2048, "dtype": dtype}
     (work / "spec.json").write_text(json.dumps(spec))
     (work / "run.py").write_text(_VLLM_RUN)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4",
@@ -251,7 +275,8 @@ def _named(fn: Any, label: str) -> Any:
     return named
 
 
-def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> list[tuple[str, float]]:
+def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int],
+              dtype: str = "float32") -> list[tuple[str, float]]:
     """batchgen's run under torch.profiler, its CPU time grouped by stage (operator names), and
     the rest of the wall time (Python between operators)."""
     from torch.profiler import ProfilerActivity, profile
@@ -279,7 +304,7 @@ def breakdown(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> 
     originals = {key: getattr(*key) for key in kernels}
     for (module, name), label in kernels.items():
         setattr(module, name, _named(originals[module, name], label))
-    engine = Engine(model_dir, dtype="float32")  # (its KV pool is zero-filled here, outside the profile)
+    engine = Engine(model_dir, dtype=dtype)  # (its KV pool is zero-filled here, outside the profile)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     engine.generate(prompts[:8], params[:8])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -313,6 +338,9 @@ def main() -> None:
     ap.add_argument("--check-rows", type=int, default=8, help="rows whose batchgen tokens must equal transformers'")
     ap.add_argument("--vllm-venv", type=Path, default=Path(__file__).resolve().parent / ".venvs" / "vllm")
     ap.add_argument("--breakdown", action="store_true", help="also profile one batchgen run by stage")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32",
+                    help="every engine's dtype (bfloat16: where the CPU multiplies bf16 natively; llama.cpp's "
+                         "GGUF in bf16 too); tokens are then compared, not required equal")
     ap.add_argument("--llamacpp-converter", type=Path,
                     help="llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist): run llama.cpp too")
     ap.add_argument("--llamacpp-slots", default="8,16,32", help="llama.cpp slot counts to try; the fastest is used")
@@ -331,6 +359,9 @@ def main() -> None:
         ap.error(f"--llamacpp-slots: comma-separated slot counts, got {args.llamacpp_slots!r}")
     if any(n < 1 for n in slot_counts):
         ap.error(f"--llamacpp-slots: slot counts must be at least 1, got {args.llamacpp_slots!r}")
+    dtype, outtype = DTYPES[args.dtype]
+    if dtype is torch.bfloat16 and not has_fast_bf16():
+        ap.error("--dtype bfloat16 needs a CPU that multiplies bf16 natively (AVX512-BF16 or AMX)")
     torch.set_flush_denormal(True)
     torch.set_num_threads(args.threads)
     python = ensure_vllm(args.vllm_venv)
@@ -344,11 +375,11 @@ def main() -> None:
         prompts, lengths = workload(args.rows, config["vocab_size"], args.seed)
         tokens = sum(lengths) + sum(map(len, prompts))
         job_flops = flops(config, prompts, lengths)
-        run_batchgen(model_dir, prompts[:8], [4] * 8)  # warm-up: kernels compiled, pages touched
+        run_batchgen(model_dir, prompts[:8], [4] * 8, dtype=args.dtype)  # warm-up: kernels compiled, pages touched
         sides = ["vllm", "batchgen"]
         sweep: dict[int, float] = {}
         if args.llamacpp_converter is not None:
-            gguf = convert(model_dir, args.llamacpp_converter, Path(tmp) / f"{args.model}-f32.gguf")
+            gguf = convert(model_dir, args.llamacpp_converter, Path(tmp) / f"{args.model}-{outtype}.gguf", outtype)
             for slots in slot_counts:
                 sweep[slots], _ = run_llamacpp(gguf, prompts, lengths, slots, args.threads, args.llamacpp_n_batch)
                 print(f"  llama.cpp, {slots} slots: {sweep[slots]:7.2f} s", file=sys.stderr)
@@ -360,10 +391,11 @@ def main() -> None:
         for i in range(args.pairs):
             for side in sides[i % len(sides):] + sides[:i % len(sides)]:
                 if side == "vllm":
-                    seconds, out_vllm = run_vllm(python, model_dir, prompts, lengths, args.threads, Path(tmp))
+                    seconds, out_vllm = run_vllm(python, model_dir, prompts, lengths, args.threads, Path(tmp),
+                                                 args.dtype)
                     t_vllm.append(seconds)
                 elif side == "batchgen":
-                    seconds, _, out_bg = run_batchgen(model_dir, prompts, lengths)
+                    seconds, _, out_bg = run_batchgen(model_dir, prompts, lengths, dtype=args.dtype)
                     t_bg.append(seconds)
                 else:
                     seconds, out_lc = run_llamacpp(gguf, prompts, lengths, best_slots, args.threads,
@@ -371,32 +403,33 @@ def main() -> None:
                     t_lc.append(seconds)
                 print(f"  pair {i} {side:9s} {seconds:7.2f} s", file=sys.stderr)
         k = min(args.check_rows, args.rows)
-        from tiny_models import reference_generate
-
-        same_hf = sum(reference_generate(str(model_dir), prompts[r], lengths[r]) == out_bg[r] for r in range(k))
-        stages = breakdown(model_dir, prompts, lengths) if args.breakdown else []
+        same_hf = sum(want == got for want, got in zip(reference_tokens(model_dir, prompts[:k], lengths, dtype),
+                                                         out_bg))
+        stages = breakdown(model_dir, prompts, lengths, args.dtype) if args.breakdown else []
     ratios = [v / b for v, b in zip(t_vllm, t_bg)]
     gen = sum(lengths)
     print(f"{args.model} model ({config['hidden_size']} hidden, {config['num_hidden_layers']} layers, "
-          f"{config['num_local_experts']} experts top-{config['num_experts_per_tok']}); {args.rows} rows, "
+          f"{config['num_local_experts']} experts top-{config['num_experts_per_tok']}), {args.dtype}; {args.rows} rows, "
           f"{gen} generated + {tokens - gen} prompt tokens; {args.threads} threads; {args.pairs} alternating pairs")
     bf16 = f"{peak16 / 1e9:.1f} GFLOP/s" if peak16 is not None else "not native here, not measured"
+    peak, peak_name = (peak16, "bf16") if dtype is torch.bfloat16 else (peak32, "fp32")
+    assert peak is not None
     print(f"machine peak: fp32 GEMM {peak32 / 1e9:.1f} GFLOP/s, bf16 GEMM {bf16} "
           f"(torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}); memory read "
           f"{bandwidth / 1e9:.1f} GB/s")
-    roofline = roofline_seconds(config, prompts, lengths, peak32, bandwidth)
-    print(f"roofline: {roofline:.2f} s (each step at its FLOPs over the fp32 peak or its bytes over the read rate, "
-          f"whichever is longer; experts read as under uniform routing)")
+    roofline = roofline_seconds(config, prompts, lengths, peak, bandwidth, dtype.itemsize)
+    print(f"roofline: {roofline:.2f} s (each step at its FLOPs over the {peak_name} peak or its bytes over the read "
+          f"rate, whichever is longer; experts read as under uniform routing)")
     engines = [("vLLM-CPU", t_vllm), ("batchgen", t_bg)]
     if t_lc:
-        print(f"llama.cpp (GGUF f32, n_batch {args.llamacpp_n_batch}) by slot count, one run each: "
+        print(f"llama.cpp (GGUF {outtype}, n_batch {args.llamacpp_n_batch}) by slot count, one run each: "
               + ", ".join(f"{n}: {gen / t:.1f} tok/s" for n, t in sweep.items()) + f"; {best_slots} used")
         engines.append(("llama.cpp", t_lc))
     for name, times in engines:
         best = min(times)
         rate = job_flops / statistics.median(times)
         print(f"{name:9s}: {gen / statistics.median(times):8.1f} generated tok/s (median), best {gen / best:8.1f}; "
-              f"{rate / 1e9:6.1f} GFLOP/s = {rate / peak32:5.1%} of the fp32 GEMM peak; "
+              f"{rate / 1e9:6.1f} GFLOP/s = {rate / peak:5.1%} of the {peak_name} GEMM peak; "
               f"{roofline / statistics.median(times):5.1%} of the roofline's speed")
     print("batchgen / vLLM per pair: " + ", ".join(f"{r:.2f}x" for r in ratios)
           + f"; median {statistics.median(ratios):.2f}x")
@@ -406,14 +439,14 @@ def main() -> None:
               + f"; median {statistics.median(lc_ratios):.2f}x")
     agree = sum(a == b for a, b in zip(out_bg, out_vllm))
     lc_agree = f"; llama.cpp on {sum(a == b for a, b in zip(out_bg, out_lc))}/{args.rows}" if t_lc else ""
-    print(f"tokens: batchgen equals transformers on {same_hf}/{k} checked rows; vLLM equals batchgen on "
+    print(f"tokens: batchgen equals transformers ({args.dtype}) on {same_hf}/{k} checked rows; vLLM equals batchgen on "
           f"{agree}/{args.rows} rows{lc_agree}")
     if stages:
         total = sum(s for _, s in stages)
         print("batchgen step breakdown (torch.profiler, one run; profiling slows it):")
         for name, s in stages:
             print(f"  {name:57s} {s:7.2f} s  {s / total:5.1%}")
-    if same_hf != k:
+    if same_hf != k and dtype is torch.float32:  # (bf16 engines round differently: compared, not required)
         raise SystemExit("batchgen's greedy tokens differ from transformers'")
 
 
