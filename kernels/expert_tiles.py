@@ -102,10 +102,11 @@ def bf16_tiles_supported() -> bool:
 
 def tiles_supported(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether these experts (w13 [E, 2N, K], w2 [E, K, N]) should be tiled and run by the
-    kernel here: bf16 with N and K multiples of 16 where bf16_tiles_supported(); or fp32 on the CPU, N and K multiples of eight, an expert's weights too large for
+    kernel here: fp32 on the CPU, N and K multiples of eight, an expert's weights too large for
     the cache (below cpu_small_rows.IN_CACHE_BYTES sgemm wins at every row count, and the plain
     layout keeps it), the kernel built and not turned off (BATCHGEN_SMALL_ROWS_KERNEL=0 keeps the
-    plain layout and its paths)."""
+    plain layout and its paths); or bf16 on the CPU, N and K multiples of 16, of any size, where
+    bf16_tiles_supported()."""
     if w13.dim() != 3 or w2.dim() != 3:
         return False
     E, K, N = w2.shape
