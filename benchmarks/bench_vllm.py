@@ -25,10 +25,9 @@ distribution; see bench_llamacpp.py), llama.cpp runs too: the checkpoint convert
 continuous batching as bench_llamacpp drives it. Its slot counts (--llamacpp-slots) are tried
 once first, and the fastest joins every pair (the three sides in rotating order).
 
-FLOPs counted from the config per token: the attention projections, the router, top_k experts
-and (for generated tokens) the LM head, 2 FLOPs a multiply-add, plus the attention's score and
-value products over the context. The share of the machine's peak is that over the run's wall
-time against a large fp32 GEMM on the same threads (and bf16 where the CPU has AVX512-BF16/AMX).
+FLOPs are counted from the config (job_limits.py). The share of the machine's peak is that over
+the run's wall time against a large fp32 GEMM on the same threads (and bf16 where the CPU has
+AVX512-BF16/AMX).
 
     python benchmarks/bench_vllm.py --model small --pairs 3
     python benchmarks/bench_vllm.py --model compute --pairs 2 --breakdown
@@ -56,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"
 
 from bench_engine import run_batchgen, workload  # noqa: E402
 from bench_llamacpp import convert, run_llamacpp  # noqa: E402
+from job_limits import flops, gemm_peak, has_fast_bf16, read_bandwidth, roofline_seconds  # noqa: E402
 
 VLLM_VERSION = "0.32.0"
 DTYPES = {"float32": (torch.float32, "f32"), "bfloat16": (torch.bfloat16, "bf16")}  # -> (torch, GGUF outtype)
@@ -120,119 +120,6 @@ def build_model(kind: str, path: Path, seed: int = 0) -> Path:
     model = MixtralForCausalLM(cfg).eval()
     model.save_pretrained(path, safe_serialization=True)
     return path
-
-
-def head_dim(config: dict[str, Any]) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def dense_params(config: dict[str, Any]) -> int:
-    """Weights of one layer a token multiplies by besides its experts: q, k, v, o and the router."""
-    h = config["hidden_size"]
-    return h * head_dim(config) * 2 * (config["num_attention_heads"] + config["num_key_value_heads"]) \
-        + h * config["num_local_experts"]
-
-
-def token_flops(config: dict[str, Any]) -> tuple[float, float, float]:
-    """-> (matmul FLOPs of one token through the layers: attention projections, router, top_k
-    experts; of the LM head for one sampled token; of attention per position a token attends to),
-    2 FLOPs a multiply-add."""
-    h, layers = config["hidden_size"], config["num_hidden_layers"]
-    experts = config["num_experts_per_tok"] * 3 * h * config["intermediate_size"]
-    # QK^T and AV: 2 FLOPs each per head dim
-    return (2 * layers * (dense_params(config) + experts), 2 * h * config["vocab_size"],
-            4 * layers * config["num_attention_heads"] * head_dim(config))
-
-
-def flops(config: dict[str, Any], prompts: list[list[int]], lengths: list[int]) -> float:
-    """Matmul FLOPs of the whole job (see the module docstring). A row of prompt p and n new tokens
-    runs p + n - 1 tokens through the layers (its last token is only sampled) and samples n."""
-    per_token, lm_head, per_position = token_flops(config)
-    total = 0.0
-    for p, n in zip(prompts, lengths):
-        tokens = len(p) + n - 1
-        # position i attends to i + 1 positions
-        total += tokens * per_token + n * lm_head + per_position * tokens * (tokens + 1) / 2
-    return total
-
-
-def best_seconds(fn: Any, repeats: int) -> float:
-    """The shortest of `repeats` timed calls of fn, after one untimed call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def gemm_peak(threads: int, dtype: torch.dtype, n: int = 4096, repeats: int = 5) -> float:
-    """FLOP/s of the best of `repeats` n x n x n matmuls with torch on `threads` threads."""
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats)
-
-
-def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s of the best of `repeats` reads of a `gib` GiB fp32 tensor (a max over it) with torch
-    on `threads` threads: far larger than the caches, so read from memory each time."""
-    torch.set_num_threads(threads)
-    x = torch.empty(int(gib * (1 << 30)) // 4).normal_()
-    return x.numel() * 4 / best_seconds(lambda: torch.amax(x), repeats)
-
-
-def roofline_seconds(config: dict[str, Any], prompts: list[list[int]], lengths: list[int], flop_rate: float,
-                     byte_rate: float, itemsize: int = 4) -> float:
-    """The job's time if every step ran at its roofline, all rows batched from the start (as
-    batchgen and vLLM run them while they fit one batch): the prompts at their FLOPs over
-    flop_rate, then one decode step per generated position after the first, each taking the larger
-    of its FLOPs over flop_rate and the bytes it must read over byte_rate (the attention
-    projections, router and LM head, the experts its rows route to, every running row's KV cache
-    so far; `itemsize` bytes a value). Experts read: the expected number under uniform routing (random routers route
-    about evenly), so this is an estimate, not a bound: a skewed router reads fewer."""
-    h, layers = config["hidden_size"], config["num_hidden_layers"]
-    kv_width = 2 * config["num_key_value_heads"] * head_dim(config)
-    experts, top_k = config["num_local_experts"], config["num_experts_per_tok"]
-    per_token, lm_head_flops, per_position = token_flops(config)
-    expert = 3 * h * config["intermediate_size"]
-    shared = layers * dense_params(config) + h * config["vocab_size"]  # what a step reads but experts
-    seconds = sum(len(p) * per_token + lm_head_flops + per_position * len(p) * (len(p) + 1) / 2
-                  for p in prompts) / flop_rate
-    for step in range(1, max(lengths)):
-        running = [i for i, n in enumerate(lengths) if n > step]
-        positions = sum(len(prompts[i]) + step for i in running)  # each running row's context
-        step_flops = len(running) * (per_token + lm_head_flops) + per_position * positions
-        read_experts = experts * (1 - (1 - top_k / experts) ** len(running))  # a row misses one w.p. 1 - k/E
-        step_bytes = itemsize * (shared + layers * read_experts * expert + layers * kv_width * positions)
-        seconds += max(step_flops / flop_rate, step_bytes / byte_rate)
-    return seconds
-
-
-def reference_tokens(model_dir: Path, prompts: list[list[int]], lengths: list[int], dtype: torch.dtype
-                     ) -> list[list[int]]:
-    """transformers' greedy tokens for each prompt alone: tiny_models.reference_generate in fp32,
-    else the model loaded in `dtype` with the stop tokens ignored, as the engines run."""
-    from tiny_models import reference_generate
-
-    if dtype is torch.float32:
-        return [reference_generate(str(model_dir), p, n) for p, n in zip(prompts, lengths)]
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    out = []
-    for p, n in zip(prompts, lengths):
-        ids = torch.tensor([p])
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, eos_token_id=[], pad_token_id=0)
-        out.append(got[0, len(p):].tolist())
-    return out
-
-
-def has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): without it a bf16 GEMM is
-    emulated and a 4096^3 one takes minutes, so its "peak" would mean nothing."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def ensure_vllm(venv: Path) -> Path:
@@ -403,8 +290,10 @@ def main() -> None:
                     t_lc.append(seconds)
                 print(f"  pair {i} {side:9s} {seconds:7.2f} s", file=sys.stderr)
         k = min(args.check_rows, args.rows)
-        same_hf = sum(want == got for want, got in zip(reference_tokens(model_dir, prompts[:k], lengths, dtype),
-                                                         out_bg))
+        from tiny_models import reference_generate
+
+        same_hf = sum(reference_generate(model_dir, prompts[r], lengths[r], ignore_eos=True, dtype=dtype) == out_bg[r]
+                      for r in range(k))
         stages = breakdown(model_dir, prompts, lengths, args.dtype) if args.breakdown else []
     ratios = [v / b for v, b in zip(t_vllm, t_bg)]
     gen = sum(lengths)

@@ -202,13 +202,13 @@ def build_checkpoint(arch: str, path: str | os.PathLike, legacy_rope_keys: bool 
 
 
 @functools.cache
-def _load(model_dir: str) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def _load(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
-def reference_model(model_dir: str | os.PathLike) -> torch.nn.Module:
-    """The transformers model for `model_dir`, float32 on CPU, loaded once per process."""
-    return _load(str(Path(model_dir).resolve()))
+def reference_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The transformers model for `model_dir`, in `dtype` on CPU, loaded once per process."""
+    return _load(str(Path(model_dir).resolve()), dtype)
 
 
 @torch.no_grad()
@@ -219,13 +219,14 @@ def reference_logits(model_dir: str | os.PathLike, prompt_ids: Sequence[int]) ->
 
 @torch.no_grad()
 def reference_generate(model_dir: str | os.PathLike, prompt_ids: list[int], max_new_tokens: int,
-                       ignore_eos: bool = False) -> list[int]:
+                       ignore_eos: bool = False, dtype: torch.dtype = torch.float32) -> list[int]:
     """Greedy tokens transformers generates for one prompt alone (no batch, no padding).
 
     The generated ids come back without the prompt; a stop token ends the list and is
     included in it. With `ignore_eos`, stop tokens are generated like any other (vLLM's
-    ignore_eos: not suppressed, just not stopping) and exactly `max_new_tokens` come back."""
-    model = reference_model(model_dir)
+    ignore_eos: not suppressed, just not stopping) and exactly `max_new_tokens` come back. The
+    model runs in `dtype` (float32: the engines' parity oracle)."""
+    model = reference_model(model_dir, dtype)
     gen = copy.deepcopy(model.generation_config)  # from generation_config.json
     gen.update(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
     if ignore_eos:

@@ -1,5 +1,5 @@
-"""bench_vllm's counts: the job's FLOPs and its roofline time agree with each other and with
-counts made by hand on a tiny shape."""
+"""job_limits (bench_vllm's counts): the job's FLOPs and its roofline time agree with each other
+and with counts made by hand on a tiny shape."""
 from __future__ import annotations
 
 import importlib
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-bench_vllm = importlib.import_module("bench_vllm")
+job_limits = importlib.import_module("job_limits")
 
 # hidden 4, 2 layers, 2 heads of 2 (1 kv head), 4 experts top-2 of width 3, vocab 5
 CONFIG = dict(hidden_size=4, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -17,7 +17,7 @@ CONFIG = dict(hidden_size=4, num_hidden_layers=2, num_attention_heads=2, num_key
 
 
 def test_token_flops_by_hand() -> None:
-    per_token, lm_head, per_position = bench_vllm.token_flops(CONFIG)
+    per_token, lm_head, per_position = job_limits.token_flops(CONFIG)
     proj = 4 * 4 * 2 + 4 * 2 * 2  # q and o 4x4; k and v 4x2
     assert per_token == 2 * 2 * (proj + 2 * 3 * 4 * 3 + 4 * 4)
     assert lm_head == 2 * 4 * 5
@@ -25,15 +25,15 @@ def test_token_flops_by_hand() -> None:
 
 
 def test_job_flops_run_the_last_token_only_through_sampling() -> None:
-    per_token, lm_head, per_position = bench_vllm.token_flops(CONFIG)
+    per_token, lm_head, per_position = job_limits.token_flops(CONFIG)
     # prompt of 3, 2 new tokens: positions 0-3 run through the layers (attending 1-4 positions)
-    assert bench_vllm.flops(CONFIG, [[7, 8, 9]], [2]) == 4 * per_token + 2 * lm_head + per_position * 10
+    assert job_limits.flops(CONFIG, [[7, 8, 9]], [2]) == 4 * per_token + 2 * lm_head + per_position * 10
 
 
 def test_roofline_without_a_memory_limit_is_the_flops_at_the_rate() -> None:
     prompts, lengths = [[1, 2, 3], [4] * 7, [5, 6]], [5, 1, 9]
-    job = bench_vllm.flops(CONFIG, prompts, lengths)
-    assert bench_vllm.roofline_seconds(CONFIG, prompts, lengths, 1e9, float("inf")) == pytest.approx(job / 1e9)
+    job = job_limits.flops(CONFIG, prompts, lengths)
+    assert job_limits.roofline_seconds(CONFIG, prompts, lengths, 1e9, float("inf")) == pytest.approx(job / 1e9)
 
 
 def test_roofline_of_one_row_bound_by_memory_by_hand() -> None:
@@ -45,14 +45,19 @@ def test_roofline_of_one_row_bound_by_memory_by_hand() -> None:
     experts = 2 * 2 * 3 * 4 * 3
     kv = [2 * 4 * 3, 2 * 4 * 4]
     want = sum(4 * (shared + experts + k) for k in kv) / 100.0
-    got = bench_vllm.roofline_seconds(CONFIG, [[1, 2]], [3], float("inf"), 100.0)
+    got = job_limits.roofline_seconds(CONFIG, [[1, 2]], [3], float("inf"), 100.0)
     assert got == pytest.approx(want)
 
 
 def test_roofline_reads_more_experts_with_more_rows_up_to_all() -> None:
-    one = bench_vllm.roofline_seconds(CONFIG, [[1]], [2], float("inf"), 1.0)
-    many = bench_vllm.roofline_seconds(CONFIG, [[1]] * 200, [2] * 200, float("inf"), 1.0)
+    one = job_limits.roofline_seconds(CONFIG, [[1]], [2], float("inf"), 1.0)
+    many = job_limits.roofline_seconds(CONFIG, [[1]] * 200, [2] * 200, float("inf"), 1.0)
     kv = 4 * 2 * 4 * 2  # fp32, 2 layers, K and V of 2 floats, 2 positions
     shared = 4 * (2 * (4 * 4 * 2 + 4 * 2 * 2 + 4 * 4) + 4 * 5)
     assert one == pytest.approx(shared + 4 * 2 * 2 * 36 + kv)  # top_k experts a layer
     assert many == pytest.approx(shared + 4 * 2 * 4 * 36 + 200 * kv, rel=1e-6)  # all 4 experts
+
+
+def test_a_memory_bound_roofline_scales_with_the_bytes_a_value() -> None:
+    fp32 = job_limits.roofline_seconds(CONFIG, [[1]] * 3, [4] * 3, float("inf"), 1.0)
+    assert job_limits.roofline_seconds(CONFIG, [[1]] * 3, [4] * 3, float("inf"), 1.0, itemsize=2) == fp32 / 2
