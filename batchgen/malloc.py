@@ -7,10 +7,10 @@ its trim threshold; both thresholds are small (128 KiB, or adjusted to the large
 far, with the trim threshold twice that), so a step that frees more than that hands the pages back
 and the next step faults them in and zeroes them again. Measured on a 2-core CPU: a prefill of
 10k tokens through a 220M-parameter MoE took up to 490k minor faults (the count varies from run
-to run) and up to 1.5 s of system time, and ran 5% faster with the thresholds below (300 faults). Dask's nanny makes it worse: it starts
-workers with MALLOC_TRIM_THRESHOLD_=65536 (so pandas workers hand freed memory back), which also
-switches off the dynamic threshold, and one CPU engine in a Dask worker ran 1.34x slower than the
-same engine outside one. An engine holds a model's worth of memory for its whole life, so keeping
+to run) and up to 1.5 s of system time, and ran 5% faster with the thresholds below (300
+faults). Dask's nanny makes it worse: it starts workers with MALLOC_TRIM_THRESHOLD_=65536 (so
+pandas workers hand freed memory back), which also switches off the dynamic threshold, and one
+CPU engine in a Dask worker ran 1.34x slower than the same engine outside one. An engine holds a model's worth of memory for its whole life, so keeping
 a few hundred MiB of heap around is the better trade: blocks up to 32 MiB come from the heap, and
 the heap keeps up to 256 MiB free at its top.
 """
