@@ -49,6 +49,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchgen" / "kernels"
 
 
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them in /proc/cpuinfo ("avx2", "avx512_bf16",
+    "amx_bf16", ...); empty where there is no such file."""
+    line = _cpu_flags()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -102,7 +109,7 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"cannot run {cxx} or read {name}.cpp: {exc}"
     errors = []
     cpu = _cpu_flags()
-    features = set(cpu.split())
+    features = cpu_features()
     for flags in (f + _LIBRARIES[name] for f in (*_FIRST_FLAG_SETS.get(name, ()), *_FLAG_SETS)):
         level = next((f for f in flags if f in _LEVEL_FEATURES), None)
         if level is not None and not set(_LEVEL_FEATURES[level]) <= features:

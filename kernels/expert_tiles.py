@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_small_rows
+from ._cpu_build import cpu_features
 from .errors import KernelInputError
 from .huge_pages import contiguous_on_huge_pages
 
@@ -100,19 +101,32 @@ def bf16_tiles_supported() -> bool:
             and bool(cpu_small_rows.small_rows_library().batchgen_bf16_experts_supported()))
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether the CPU has AMX tiles for bf16 (Intel Sapphire Rapids and later)."""
+    return "amx_bf16" in cpu_features()
+
+
+def bf16_tiles_preferred() -> bool:
+    """Whether a bf16 model's weights are kept in bf16 tiles here: bf16_tiles_supported(), on a
+    CPU without AMX. Where it has AMX, torch's bf16 GEMM (oneDNN) runs on AMX's tiles, whose
+    multiply-adds per cycle are many times vdpbf16ps's, so the plain weights and torch's paths
+    stay; the tiles were only measured against torch on CPUs without it."""
+    return bf16_tiles_supported() and not cpu_has_amx_bf16()
+
+
 def tiles_supported(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether these experts (w13 [E, 2N, K], w2 [E, K, N]) should be tiled and run by the
     kernel here: fp32 on the CPU, N and K multiples of eight, an expert's weights too large for
     the cache (below cpu_small_rows.IN_CACHE_BYTES sgemm wins at every row count, and the plain
     layout keeps it), the kernel built and not turned off (BATCHGEN_SMALL_ROWS_KERNEL=0 keeps the
     plain layout and its paths); or bf16 on the CPU, N and K multiples of 16, of any size, where
-    bf16_tiles_supported()."""
+    bf16_tiles_preferred()."""
     if w13.dim() != 3 or w2.dim() != 3:
         return False
     E, K, N = w2.shape
     plain = w13.device.type == w2.device.type == "cpu" and w13.shape == (E, 2 * N, K)
     if w13.dtype == w2.dtype == torch.bfloat16:  # (any size: no sgemm path is faster in bf16)
-        return plain and N % BF16_LANES == 0 and K % BF16_LANES == 0 and bf16_tiles_supported()
+        return plain and N % BF16_LANES == 0 and K % BF16_LANES == 0 and bf16_tiles_preferred()
     return (w13.dtype == w2.dtype == torch.float32 and plain and N % 8 == 0 and K % 8 == 0
             and 3 * N * K * 4 >= cpu_small_rows.IN_CACHE_BYTES and cpu_small_rows.small_rows_enabled())
 

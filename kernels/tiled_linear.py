@@ -28,7 +28,7 @@ import torch
 from . import cpu_small_rows
 from ._cpu_build import cpu_kernels
 from .errors import KernelInputError
-from .expert_tiles import BF16_LANES, LANE_COUNTS, bf16_tiles_supported, tile_lanes, widest_lanes
+from .expert_tiles import BF16_LANES, LANE_COUNTS, bf16_tiles_preferred, tile_lanes, widest_lanes
 from .huge_pages import contiguous_on_huge_pages
 
 
@@ -71,12 +71,12 @@ def weight_tiles_supported(w: torch.Tensor) -> bool:
     """Whether this dense weight [Nout, K] should be tiled and run by the kernel here: fp32 on the
     CPU, Nout and K multiples of eight, at least TILE_BYTES, and the kernel built and not turned
     off (BATCHGEN_SMALL_ROWS_KERNEL=0); or bf16 with Nout and K multiples of 16, at least
-    TILE_BYTES / 2, where expert_tiles.bf16_tiles_supported()."""
+    TILE_BYTES / 2, where expert_tiles.bf16_tiles_preferred()."""
     if w.dim() != 2 or w.device.type != "cpu":
         return False
     if w.dtype == torch.bfloat16:
         return (w.shape[0] % BF16_LANES == 0 and w.shape[1] % BF16_LANES == 0 and 4 * w.numel() >= TILE_BYTES
-                and bf16_tiles_supported())
+                and bf16_tiles_preferred())
     return (w.dtype == torch.float32 and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0
             and 4 * w.numel() >= TILE_BYTES and cpu_small_rows.small_rows_enabled())
 

@@ -11,13 +11,21 @@ import torch.nn.functional as F
 
 from batchgen import Engine, SamplingParams
 from batchgen.models.model import Model
-from batchgen_kernels import KernelInputError, cpu_small_rows, fused_moe_reference
-from batchgen_kernels.expert_tiles import bf16_tiles_supported, moe_tiled_cpu, tile_experts, tiles_supported
+from batchgen_kernels import KernelInputError, cpu_small_rows, expert_tiles, fused_moe_reference
+from batchgen_kernels._cpu_build import cpu_features
+from batchgen_kernels.expert_tiles import (
+    bf16_tiles_preferred,
+    bf16_tiles_supported,
+    moe_tiled_cpu,
+    tile_experts,
+    tiles_supported,
+)
 from batchgen_kernels.tiled_linear import TILE_BYTES, linear, tile_weight, weight_tiles_supported
 
 BUILDS = cpu_small_rows.cpu_small_rows_available()
 pytestmark = pytest.mark.skipif(not BUILDS, reason="the CPU small-row kernels do not build here")
 RUNS = pytest.mark.skipif(not (BUILDS and bf16_tiles_supported()), reason="this CPU has no AVX512-BF16")
+TILED = pytest.mark.skipif(not (BUILDS and bf16_tiles_preferred()), reason="this CPU has no AVX512-BF16, or has AMX")
 # relative to the output's largest entry: the activation between the two products is rounded to
 # bf16 (8 bits), and so is the result
 TOL = 1.5e-2
@@ -121,13 +129,13 @@ def test_bad_inputs_to_bf16_tiles_are_named() -> None:
 
 def test_bf16_experts_are_tiled_only_where_the_cpu_runs_them(monkeypatch: pytest.MonkeyPatch) -> None:
     _, w13, w2, _, _ = layer(2, 32, 48, 1, 1, seed=2)
-    assert tiles_supported(w13, w2) == bf16_tiles_supported()
+    assert tiles_supported(w13, w2) == bf16_tiles_preferred()
     assert not tiles_supported(w13[:, :, :24], w2[:, :24])  # K = 24
     monkeypatch.setenv("BATCHGEN_SMALL_ROWS_KERNEL", "0")
     assert not bf16_tiles_supported() and not tiles_supported(w13, w2)
 
 
-@RUNS
+@TILED
 def test_a_bf16_model_on_cpu_runs_its_experts_in_tiles(checkpoint_factory, monkeypatch: pytest.MonkeyPatch) -> None:
     path: Path = checkpoint_factory("mixtral")
     tiled = Model.load(path, dtype="bfloat16", device="cpu")
@@ -149,6 +157,29 @@ def test_a_bf16_model_on_cpu_runs_its_experts_in_tiles(checkpoint_factory, monke
     assert [(len(o.token_ids), o.finish_reason) for o in outs] == [(6, "length"), (6, "length")]
 
 
+def test_cpu_features_are_the_flags_linux_names() -> None:
+    features = cpu_features()
+    if not Path("/proc/cpuinfo").exists():
+        assert features == frozenset()
+        return
+    assert features and not {"flags", ":", "Features"} & features
+    assert bf16_tiles_supported() <= ("avx512_bf16" in features)  # the kernel runs only where Linux lists it
+
+
+@RUNS
+def test_a_cpu_with_amx_keeps_bf16_weights_plain(checkpoint_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has AMX, torch's bf16 GEMM runs on it: the tiles are not used, though they would run."""
+    monkeypatch.setattr(expert_tiles, "cpu_has_amx_bf16", lambda: True)
+    assert bf16_tiles_supported() and not bf16_tiles_preferred()
+    _, w13, w2, _, _ = layer(2, 32, 48, 1, 1, seed=2)
+    w, _, _ = dense(512, 512, 1, seed=1)
+    assert not tiles_supported(w13, w2) and not weight_tiles_supported(w)
+    assert weight_tiles_supported(w.float()) == cpu_small_rows.small_rows_enabled()  # fp32 tiles do not ask
+    model = Model.load(checkpoint_factory("mixtral"), dtype="bfloat16", device="cpu")
+    ffn = model.weights.layers[0].ffn
+    assert ffn.tiles is None and ffn.w13 is not None  # type: ignore[union-attr]
+
+
 def dense(n_out: int, k: int, m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return ((torch.randn(n_out, k, generator=g) / k ** 0.5).bfloat16(), torch.randn(m, k, generator=g).bfloat16(),
@@ -167,7 +198,7 @@ def test_bf16_dense_tiles_pair_k_for_sixteen_weight_rows() -> None:
 
 def test_bf16_dense_weights_are_tiled_only_where_the_cpu_runs_them(monkeypatch: pytest.MonkeyPatch) -> None:
     w, _, _ = dense(512, 512, 1, seed=1)
-    assert 4 * w.numel() >= TILE_BYTES and weight_tiles_supported(w) == bf16_tiles_supported()
+    assert 4 * w.numel() >= TILE_BYTES and weight_tiles_supported(w) == bf16_tiles_preferred()
     assert not weight_tiles_supported(w[:, :504])  # K not a multiple of 16
     monkeypatch.setenv("BATCHGEN_SMALL_ROWS_KERNEL", "0")
     assert not weight_tiles_supported(w)
