@@ -1,9 +1,9 @@
-"""Builds the CPU kernels in csrc/ (one library per file) once per machine and source, and loads
-them with ctypes.
+"""Builds the CPU kernels in csrc/ (one library per .cpp file, with the headers in csrc/NAME/ that
+it includes) once per machine and source, and loads them with ctypes.
 
-The library is plain C++ (no torch headers, no pybind, no ninja): one compiler call of about a
-second, cached under $BATCHGEN_KERNEL_CACHE (default ~/.cache/batchgen/kernels) by a hash of the
-source, the compiler, its flags and the CPU's feature flags (-march=native), so a shared home
+The library is plain C++ (no torch headers, no pybind, no ninja): one compiler call of a second or
+a few, cached under $BATCHGEN_KERNEL_CACHE (default ~/.cache/batchgen/kernels) by a hash of the
+sources, the compiler, its flags and the CPU's feature flags (-march=native), so a shared home
 over different CPUs never loads a library built for another. OpenMP comes from the libgomp torch
 has already loaded, so the kernel shares torch's thread pool. Any failure (no compiler, a failed
 build, a library that will not load) is remembered and reported by `cpu_kernels_error()`; the
@@ -33,8 +33,8 @@ _LEVEL_FEATURES = {"-march=x86-64-v3": ("avx2", "fma", "bmi2", "movbe"),
                    "-march=x86-64-v4": ("avx2", "fma", "bmi2", "movbe", "avx512f", "avx512bw", "avx512cd",
                                         "avx512dq", "avx512vl")}
 # Flag sets a library tries before _FLAG_SETS: the small-row kernels' expert tiles take sixteen
-# lanes with AVX-512 (csrc/small_rows_cpu.cpp, TileShape), 1.02-1.14x the eight-lane ones; the
-# rest of that library measured level in either build.
+# lanes with AVX-512 (csrc/small_rows_cpu/fp32_tiles.h, TileShape), 1.02-1.14x the eight-lane
+# ones; the rest of that library measured level in either build.
 _FIRST_FLAG_SETS = {"small_rows_cpu": (["-O3", "-march=x86-64-v4", "-fopenmp"],)}
 _BASE_FLAGS = ["-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
 BUILD_TIMEOUT_S = 180
@@ -64,6 +64,12 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def library_sources(name: str) -> list[Path]:
+    """The files library `name` is built from: csrc/NAME.cpp, then its headers (csrc/NAME/*.h,
+    sorted); a change to any of them gives the library a new cache key."""
+    return [_CSRC / f"{name}.cpp", *sorted((_CSRC / name).glob("*.h"))]
 
 
 def _compiler() -> str | None:
@@ -104,7 +110,7 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str | None]:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
         path = _CSRC / f"{name}.cpp"
-        source = path.read_bytes()
+        source = b"\0".join(f.name.encode() + b"\0" + f.read_bytes() for f in library_sources(name))
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"cannot run {cxx} or read {name}.cpp: {exc}"
     errors = []

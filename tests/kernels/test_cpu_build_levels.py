@@ -35,3 +35,25 @@ def test_a_cpu_with_avx512_gets_sixteen_lane_tiles() -> None:
     if not set(V4) <= set(_cpu_build._cpu_flags().split()):
         pytest.skip("this CPU lacks AVX-512")
     assert cpu_small_rows.small_rows_library().batchgen_tile_lanes() == 16
+
+
+def test_a_change_to_a_header_rebuilds_the_library(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A library's cache key covers csrc/NAME/*.h, not only NAME.cpp: an edited header is never
+    served the library built from the old one."""
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe.cpp").write_text('#include "probe/value.h"\n'
+                                        'extern "C" int batchgen_abi_version() { return 1; }\n'
+                                        'extern "C" int probe_value() { return VALUE; }\n')
+    monkeypatch.setattr(_cpu_build, "_CSRC", tmp_path)
+    monkeypatch.setitem(_cpu_build._LIBRARIES, "probe", [])
+    monkeypatch.setenv("BATCHGEN_KERNEL_CACHE", str(tmp_path / "cache"))
+    assert _cpu_build.library_sources("probe") == [tmp_path / "probe.cpp"]
+    values = []
+    for value in (1, 2):
+        (tmp_path / "probe" / "value.h").write_text(f"#define VALUE {value}\n")
+        lib, why = _cpu_build._load("probe")
+        assert why is None
+        values.append(lib.probe_value())
+    assert values == [1, 2]
+    assert _cpu_build.library_sources("probe") == [tmp_path / "probe.cpp", tmp_path / "probe" / "value.h"]
+    assert len(list((tmp_path / "cache").glob("probe-*.so"))) == 2

@@ -1,4 +1,4 @@
-"""The expert kernels' silu (csrc/small_rows_cpu.cpp: eight exponentials at once, by a
+"""The expert kernels' silu (csrc/small_rows_cpu/silu.h: eight exponentials at once, by a
 polynomial) against float64, and the same floats for an element wherever it sits."""
 from __future__ import annotations
 
