@@ -143,23 +143,10 @@ BATCHGEN_BF16 void bf16_experts(int32_t num_threads, const bf16* rows, const bf1
 BATCHGEN_BF16 int32_t moe_routed_bf16(int32_t num_threads, const bf16* x, int64_t num_tokens, int32_t num_choices,
                                       const int64_t* ids, const float* weights, const bf16* w13, const bf16* w2,
                                       int32_t num_experts, int32_t k_len, int32_t n_len, float* out) {
-  const int64_t slots = num_tokens * num_choices;
-  std::vector<int64_t> starts, pos;
-  sort_slots(ids, slots, num_experts, INT32_MAX, starts, pos);
-  const int64_t routed = starts[num_experts];
-  thread_local Scratch rows_scratch, y_scratch;
-  std::unique_ptr<float[]> rows_spill, y_spill;
-  bf16* const rows = reinterpret_cast<bf16*>(room(rows_scratch, (routed * k_len + 1) / 2, rows_spill));
-  float* const y = room(y_scratch, routed * k_len, y_spill);
-  const bool parallel = num_threads > 1 && slots * k_len >= (1 << 15);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-  for (int64_t s = 0; s < slots; ++s)
-    if (pos[s] >= 0) std::memcpy(rows + pos[s] * k_len, x + (s / num_choices) * k_len, sizeof(bf16) * k_len);
-  if (routed > 0) bf16_experts(num_threads, rows, w13, w2, starts.data(), y, num_experts, k_len, n_len);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-  for (int64_t t = 0; t < num_tokens; ++t)
-    sum_choices(y, pos.data() + t * num_choices, weights + t * num_choices, num_choices, k_len, out + t * k_len);
-  return 0;
+  return routed_layer(num_threads, x, num_tokens, num_choices, ids, weights, num_experts, k_len, INT32_MAX, out,
+                      [&](const bf16* rows, const int64_t* starts, float* y) {
+                        bf16_experts(num_threads, rows, w13, w2, starts, y, num_experts, k_len, n_len);
+                      });
 }
 
 // y [M, Nout] (fp32) = x [M, K] (bf16, row stride ldx) w^T + bias (fp32, or null), w in bf16

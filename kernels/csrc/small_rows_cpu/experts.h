@@ -134,33 +134,47 @@ bool sort_slots(const int64_t* ids, int64_t slots, int32_t num_experts, int32_t 
   return true;
 }
 
-// The routed layer (batchgen_moe_routed_small_rows, batchgen_moe_routed_tiled).
-int32_t moe_routed(int32_t num_threads, const float* x, int64_t num_tokens, int32_t num_choices, const int64_t* ids,
-                   const float* weights, const float* w13, const float* w2, int32_t num_experts, int32_t k_len,
-                   int32_t n_len, int32_t max_rows, float* out, int lanes) {
+// The routed layer around `experts`: the slots sorted by expert (sort_slots), x's rows [T, K] of
+// type T gathered in that order, experts(rows, starts, y) writing each slot's fp32 output into y
+// [routed, K], then each token's weighted sum over its choices (sum_choices) into out [T, K].
+// -> 0, or 1 when an expert has more than max_rows slots (nothing written).
+template <typename T, typename Experts>
+int32_t routed_layer(int32_t num_threads, const T* x, int64_t num_tokens, int32_t num_choices, const int64_t* ids,
+                     const float* weights, int32_t num_experts, int32_t k_len, int32_t max_rows, float* out,
+                     Experts experts) {
   const int64_t slots = num_tokens * num_choices;
   std::vector<int64_t> starts, pos;
   if (!sort_slots(ids, slots, num_experts, max_rows, starts, pos)) return 1;
   const int64_t routed = starts[num_experts];
-  // scratch, every entry written before it is read
+  // scratch, every entry written before it is read (the rows in floats' room: sizeof(T) / 4 each)
   thread_local Scratch rows_scratch, y_scratch;
   std::unique_ptr<float[]> rows_spill, y_spill;
-  float* const rows = room(rows_scratch, routed * k_len, rows_spill);
+  T* const rows = reinterpret_cast<T*>(
+      room(rows_scratch, (routed * k_len * static_cast<int64_t>(sizeof(T)) + 3) / 4, rows_spill));
   float* const y = room(y_scratch, routed * k_len, y_spill);
-  std::vector<uint8_t> take(num_experts);
-  for (int e = 0; e < num_experts; ++e) take[e] = starts[e + 1] > starts[e];
   const bool parallel = num_threads > 1 && slots * k_len >= (1 << 15);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
   for (int64_t s = 0; s < slots; ++s)
-    if (pos[s] >= 0)
-      for (int k = 0; k < k_len; ++k) rows[pos[s] * k_len + k] = x[(s / num_choices) * k_len + k];
-  if (routed > 0)
-    moe_rows(num_threads, rows, w13, w2, starts.data(), take.data(), y, num_experts, k_len, n_len, lanes);
+    if (pos[s] >= 0) std::memcpy(rows + pos[s] * k_len, x + (s / num_choices) * k_len, sizeof(T) * k_len);
+  if (routed > 0) experts(static_cast<const T*>(rows), starts.data(), y);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
   for (int64_t t = 0; t < num_tokens; ++t)
     sum_choices(y, pos.data() + t * num_choices, weights + t * num_choices, num_choices, k_len,
                 out + t * k_len);
   return 0;
+}
+
+// The routed layer on fp32 experts (batchgen_moe_routed_small_rows, batchgen_moe_routed_tiled).
+int32_t moe_routed(int32_t num_threads, const float* x, int64_t num_tokens, int32_t num_choices, const int64_t* ids,
+                   const float* weights, const float* w13, const float* w2, int32_t num_experts, int32_t k_len,
+                   int32_t n_len, int32_t max_rows, float* out, int lanes) {
+  return routed_layer(num_threads, x, num_tokens, num_choices, ids, weights, num_experts, k_len, max_rows, out,
+                      [&](const float* rows, const int64_t* starts, float* y) {
+                        std::vector<uint8_t> take(num_experts);
+                        for (int e = 0; e < num_experts; ++e) take[e] = starts[e + 1] > starts[e];
+                        moe_rows(num_threads, rows, w13, w2, starts, take.data(), y, num_experts, k_len, n_len,
+                                 lanes);
+                      });
 }
 
 }  // namespace
