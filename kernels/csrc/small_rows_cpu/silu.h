@@ -28,7 +28,7 @@ inline v8 exp8(v8 x) {
   const v8 y = p * (r * r) + r + 1.f;
   typedef int32_t v8i __attribute__((vector_size(32)));
   const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  return y * reinterpret_cast<const v8&>(bits);
+  return y * (v8)bits;  // (a cast between vector types of one size keeps the bits)
 }
 
 // out[j * stride] = silu(gate[j]) * up[j] for j < n (silu(g) = g / (1 + exp(-g))): eight at a
