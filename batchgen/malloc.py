@@ -10,9 +10,10 @@ and the next step faults them in and zeroes them again. Measured on a 2-core CPU
 to run) and up to 1.5 s of system time, and ran 5% faster with the thresholds below (300
 faults). Dask's nanny makes it worse: it starts workers with MALLOC_TRIM_THRESHOLD_=65536 (so
 pandas workers hand freed memory back), which also switches off the dynamic threshold, and one
-CPU engine in a Dask worker ran 1.34x slower than the same engine outside one. An engine holds a model's worth of memory for its whole life, so keeping
-a few hundred MiB of heap around is the better trade: blocks up to 32 MiB come from the heap, and
-the heap keeps up to 256 MiB free at its top.
+CPU engine in a Dask worker ran 1.34x slower than the same engine outside one. An engine holds a
+model's worth of memory for its whole life, so keeping a few hundred MiB of heap around is the
+better trade: blocks up to 32 MiB come from the heap, and the heap keeps up to 256 MiB free at
+its top.
 """
 from __future__ import annotations
 

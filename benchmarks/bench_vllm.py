@@ -13,12 +13,13 @@ The requests are bench_engine's: 192 rows, prompts of 8-96 random ids, heavy-tai
 lengths (lognormal, median ~27, at most 400), greedy, ignore_eos, fp32 (every engine produces
 exactly the same token counts). With --dtype bfloat16 every engine runs in bf16 instead (where the
 CPU multiplies bf16 natively), the shares are of the bf16 GEMM peak, and the tokens are compared
-with transformers' in bf16 without being required equal. vLLM runs its offline `LLM.generate` on token-id prompts in its
-own virtualenv (it pins its own transformers; the CUDA builds of torchvision/torchaudio/
-torchcodec that the registry gives it are removed: they do not load beside torch+cpu), as a
-subprocess per run; the script creates that virtualenv on first use (--vllm-venv). Model
-loading and one warm-up batch are outside every timing. The sides alternate (--pairs), and the
-report gives each pair's ratio and their median: one run's margin is inside the noise here.
+with transformers' in bf16 without being required equal. vLLM runs its offline `LLM.generate` on
+token-id prompts in its own virtualenv (it pins its own transformers; the CUDA builds of
+torchvision/torchaudio/torchcodec that the registry gives it are removed: they do not load beside
+torch+cpu), as a subprocess per run; the script creates that virtualenv on first use
+(--vllm-venv). Model loading and one warm-up batch are outside every timing. The sides alternate
+(--pairs), and the report gives each pair's ratio and their median: one run's margin is inside the
+noise here.
 
 With --llamacpp-converter (llama.cpp's convert_hf_to_gguf.py, from the llama-cpp-python source
 distribution; see bench_llamacpp.py), llama.cpp runs too: the checkpoint converted to GGUF f32,

@@ -12,6 +12,7 @@ callers fall back to torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -56,6 +57,7 @@ def cpu_features() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
+@functools.cache  # (read once: callers ask per weight while a model loads)
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

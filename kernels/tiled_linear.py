@@ -102,9 +102,9 @@ def tile_weight(w: torch.Tensor, lanes: int | None = None) -> TiledWeight:
 def linear_tiled_cpu(x: torch.Tensor, w: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 on the CPU (M >= 0) -> x w^T + bias [M, Nout], F.linear(x, w.untiled(), bias)
     within fp32 rounding; on bf16 tiles x, bias and the result are bf16, within bf16 rounding."""
-    n_out, k, lanes = w.out_features, w.in_features, w.lanes
     if w.paired:
         return _linear_paired(x, w, bias)
+    n_out, k, lanes = w.out_features, w.in_features, w.lanes
     if w.tiles.dim() != 3 or lanes not in LANE_COUNTS or lanes > widest_lanes():
         taken = " or ".join(str(n) for n in LANE_COUNTS if n <= widest_lanes())
         raise KernelInputError(f"w must be tiles [Nout / L, K, L] with L {taken} on this CPU, got "
