@@ -108,7 +108,7 @@ BATCHGEN_BF16 void bf16_experts(int32_t num_threads, const bf16* rows, const bf1
   thread_local Scratch h_scratch;
   std::unique_ptr<float[]> h_spill;  // h as bf16 in a float buffer of half as many
   bf16* const h = reinterpret_cast<bf16*>(room(h_scratch, (routed * n_len + 1) / 2, h_spill));
-  std::vector<int64_t> bounds1, bounds2;
+  PhaseItems items;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     thread_local Scratch gate_up;
@@ -118,11 +118,10 @@ BATCHGEN_BF16 void bf16_experts(int32_t num_threads, const bf16* rows, const bf1
     const Team team = this_team();
 #pragma omp single
     {
-      bounds1 = balanced_bounds(item_cost, blocks.n_blocks, team.size);
-      bounds2 = balanced_bounds(item_cost, blocks.k_blocks, team.size);
+      items.share(item_cost, blocks.n_blocks, blocks.k_blocks, team.size);
     }
     run_phases(
-        blocks, experts, starts, bounds1, bounds2, team.me, true,
+        blocks, experts, starts, items, team.me, true,
         [&](int e, int m, int j0, const bf16* wg, int n, Ahead gate_ahead, Ahead up_ahead) {  // h = silu(x gate^T) * (x up^T)
           const bf16* xe = rows + starts[e] * k_len;
           bf16_dots(xe, k_len, m, wg, k_len, n, gate, block, gate_ahead);

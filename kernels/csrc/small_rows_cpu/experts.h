@@ -55,7 +55,7 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
     const int64_t m = starts[experts[a] + 1] - starts[experts[a]];
     item_cost[a] = (as_panels(m) ? padded(m) : m) + kBlockReadRows;
   }
-  std::vector<int64_t> bounds1, bounds2;  // each thread's items in the two phases
+  PhaseItems items;  // the two phases' items, shared out among the threads
   auto x_of = [&](int e) {
     return as_panels(starts[e + 1] - starts[e]) ? xp + at[e] * k_len : x + starts[e] * k_len;
   };
@@ -73,11 +73,10 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
     const Team team = this_team();
 #pragma omp single
     {  // (after the packing's barrier; by the team's size, which may be smaller than asked for)
-      bounds1 = balanced_bounds(item_cost, blocks.n_blocks, team.size);
-      bounds2 = balanced_bounds(item_cost, blocks.k_blocks, team.size);
+      items.share(item_cost, blocks.n_blocks, blocks.k_blocks, team.size);
     }
     run_phases(
-        blocks, experts, starts, bounds1, bounds2, team.me, tiled,
+        blocks, experts, starts, items, team.me, tiled,
         [&](int e, int m, int j0, const float* wg, int n, Ahead gate_ahead, Ahead up_ahead) {  // h = silu(x gate^T) * (x up^T)
           dots_of(x_of(e), k_len, m, wg, k_len, n, gate, block, gate_ahead);
           dots_of(x_of(e), k_len, m, wg + static_cast<int64_t>(n_len) * k_len, k_len, n, up, block, up_ahead);
