@@ -24,7 +24,8 @@ from pathlib import Path
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # library -> flags of its own: the rope kernel must round every fp32 product as torch does
-_LIBRARIES = {"paged_attention_cpu": [], "rope_kv_cpu": ["-ffp-contract=off"], "small_rows_cpu": []}
+_LIBRARIES = {"paged_attention_cpu": [], "rope_kv_cpu": ["-ffp-contract=off"], "rms_norm_cpu": ["-ffp-contract=off"],
+              "router_cpu": [], "small_rows_cpu": []}
 # AVX2 + FMA where the CPU has them: measured ~10% faster than -march=native's AVX-512 on the
 # decode shapes here (dk 32-128); then native, then portable; OpenMP threads, else SIMD only.
 _FLAG_SETS = (["-O3", "-march=x86-64-v3", "-fopenmp"], ["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"],
@@ -149,6 +150,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = i32
         fn.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64,
                        i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    if hasattr(lib, "batchgen_rms_norm"):
+        fn = lib.batchgen_rms_norm
+        fn.restype = None
+        fn.argtypes = [i32, ptr, i64, ptr, ptr, i64, i32, ctypes.c_float, i32]
+    if hasattr(lib, "batchgen_route"):
+        fn = lib.batchgen_route
+        fn.restype = i32
+        fn.argtypes = [i32, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, ctypes.c_float, ctypes.c_float, ptr, ptr]
     if hasattr(lib, "batchgen_rope_kv_write"):
         fn = lib.batchgen_rope_kv_write
         fn.restype = i64

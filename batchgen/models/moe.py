@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen_kernels import fused_moe, fused_moe_grouped, fused_moe_grouped_into, triton_available
+from batchgen_kernels.cpu_router import cpu_router_available, route_cpu
 from batchgen_kernels.expert_tiles import moe_tiled_cpu
 
 from .layers import mlp
@@ -23,6 +24,12 @@ from .weights import MoEWeights
 def route(x: torch.Tensor, router_w: torch.Tensor, r: RouterSpec,
           correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, H] -> (topk_weights [T, A] fp32, topk_ids [T, A] int64). Routing runs in fp32."""
+    if (x.device.type == "cpu" and r.num_groups == 1 and router_w.dtype == torch.float32
+            and (correction_bias is not None) == r.has_correction_bias and cpu_router_available()):
+        # one compiled call for the product, scores, top-k and weights (batchgen_kernels.cpu_router)
+        bias = correction_bias.float() if correction_bias is not None else None
+        return route_cpu(x.float(), router_w, r.top_k, r.scoring == "sigmoid", r.norm_topk_prob, bias,
+                         r.routed_scaling_factor)
     logits = F.linear(x.float(), router_w)  # [T, E]
     scores = logits.softmax(dim=-1) if r.scoring == "softmax" else logits.sigmoid()
     choice = scores + correction_bias if correction_bias is not None else scores
