@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-# library -> flags of its own: the rope kernel must round every fp32 product as torch does
+# library -> flags of its own: the rope and RMSNorm kernels must round every fp32 product as torch does
 _LIBRARIES = {"paged_attention_cpu": [], "rope_kv_cpu": ["-ffp-contract=off"], "rms_norm_cpu": ["-ffp-contract=off"],
               "router_cpu": [], "small_rows_cpu": []}
 # AVX2 + FMA where the CPU has them: measured ~10% faster than -march=native's AVX-512 on the

@@ -78,11 +78,13 @@ struct ExpertBlocks {
 // A phase's work items shared out among the threads: thread i starts on its own range,
 // bounds[i]..bounds[i + 1], taking items from its front; once it is empty the thread takes items
 // from the back of the range with the most left. A static split leaves a thread whose estimate
-// ran over still working while the others wait at the phase's end (replaying a compute job's
-// expert layers: the two threads' phase ends 2-5% of a call apart at 32-512 tokens); taking from
-// the back leaves the owner's front, and the weights it prefetched, alone. Which thread computes an
-// item never changes its floats. A range is one word, front << 32 | back, so claims are one
-// compare-and-swap each, and each range has a cache line of its own.
+// ran over still working while the others wait at the phase's end (a compiled harness around the
+// expert layer, skewed routing: the two threads' phase ends 2-5% of a call apart at 32-512 tokens;
+// a benchmark job's expert calls replayed with timers: waits of 0.2-0.5% of the layer's time with
+// stealing); taking from the back leaves the owner's front, and the weights it prefetched, alone.
+// Which thread computes an item never changes its floats. A range is one word, front << 32 | back
+// (a layer has far fewer than 2^31 items), so a claim is one compare-and-swap, and each range has
+// a cache line of its own.
 class SharedItems {
  public:
   explicit SharedItems(const std::vector<int64_t>& bounds) : ranges_(bounds.size() - 1) {
