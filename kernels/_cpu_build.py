@@ -71,8 +71,9 @@ def _cpu_flags() -> str:
 
 def library_sources(name: str) -> list[Path]:
     """The files library `name` is built from: csrc/NAME.cpp, then its headers (csrc/NAME/*.h,
-    sorted); a change to any of them gives the library a new cache key."""
-    return [_CSRC / f"{name}.cpp", *sorted((_CSRC / name).glob("*.h"))]
+    sorted), then the headers every library may include (csrc/common/*.h, sorted); a change to any
+    of them gives the library a new cache key."""
+    return [_CSRC / f"{name}.cpp", *sorted((_CSRC / name).glob("*.h")), *sorted((_CSRC / "common").glob("*.h"))]
 
 
 def _compiler() -> str | None:

@@ -12,22 +12,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/bf16.h"
+
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline float round_to(float x, float*) { return x; }
-inline uint16_t round_to(float x, uint16_t*) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+// x rounded to T (float: itself; bf16: to nearest even)
+template <typename T>
+inline T rounded(float x) {
+  T r;
+  store(&r, x);
+  return r;
 }
 
 // torch's order for a contiguous row's sum on the CPU (ATen's cascade sum, SumKernel.cpp, with
@@ -86,8 +80,8 @@ template <typename T>
 inline void norm_row(const T* x, const T* weight, T* out, int n, float eps) {
   const float r = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
   for (int i = 0; i < n; ++i) {
-    const T normed = round_to(to_float(x[i]) * r, static_cast<T*>(nullptr));
-    out[i] = round_to(to_float(normed) * to_float(weight[i]), static_cast<T*>(nullptr));
+    const T normed = rounded<T>(to_float(x[i]) * r);
+    store(out + i, to_float(normed) * to_float(weight[i]));
   }
 }
 

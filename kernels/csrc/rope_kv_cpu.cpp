@@ -9,26 +9,9 @@
 #include <cstdint>
 #include <cstring>
 
-namespace {
+#include "common/bf16.h"
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) {
-    *p = 0x7fc0;
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
+namespace {
 
 // One head: out[:R] rotated (half-split or interleaved pairs), out[R:] copied.
 template <typename T>

@@ -38,8 +38,8 @@ def test_a_cpu_with_avx512_gets_sixteen_lane_tiles() -> None:
 
 
 def test_a_change_to_a_header_rebuilds_the_library(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """A library's cache key covers csrc/NAME/*.h, not only NAME.cpp: an edited header is never
-    served the library built from the old one."""
+    """A library's cache key covers csrc/NAME/*.h and csrc/common/*.h, not only NAME.cpp: an
+    edited header is never served the library built from the old one."""
     (tmp_path / "probe").mkdir()
     (tmp_path / "probe.cpp").write_text('#include "probe/value.h"\n'
                                         'extern "C" int batchgen_abi_version() { return 1; }\n'
@@ -57,3 +57,9 @@ def test_a_change_to_a_header_rebuilds_the_library(monkeypatch: pytest.MonkeyPat
     assert values == [1, 2]
     assert _cpu_build.library_sources("probe") == [tmp_path / "probe.cpp", tmp_path / "probe" / "value.h"]
     assert len(list((tmp_path / "cache").glob("probe-*.so"))) == 2
+    # the headers every library may include (csrc/common) are in every library's key
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "shared.h").write_text("#define SHARED 1\n")
+    assert _cpu_build.library_sources("probe")[-1] == tmp_path / "common" / "shared.h"
+    assert _cpu_build._load("probe")[1] is None
+    assert len(list((tmp_path / "cache").glob("probe-*.so"))) == 3
