@@ -8,7 +8,7 @@
 //   GQA: key_head_stride = D, value_offset = Hk D, value_head_stride = D
 //   MLA: one kv head, key = the whole row (latent + rope), value = the latent (offset 0)
 // Math in fp32 whatever the storage type; one pass over the context with an online softmax.
-// Built with plain flags (no torch headers) by kernels/cpu_paged_attention.py and called
+// Built with plain flags (no torch headers) by kernels/_cpu_build.py and called
 // through ctypes; no Python object is touched, so the caller can release the GIL.
 #include <cmath>
 #include <cstddef>
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "common/vec8.h"
 
 namespace {
 
@@ -51,17 +52,8 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Fixed head widths (DK, DV multiples of 8): eight lanes at a time, in GCC/Clang vector types
-// (AVX2 where the build targets it, narrower vectors elsewhere).
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-inline v8 vload(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+// Fixed head widths (DK, DV multiples of 8): eight lanes at a time (common/vec8.h).
 inline void vstore(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
-inline float hsum(v8 v) {
-  const float a = (v[0] + v[4]) + (v[2] + v[6]);
-  const float b = (v[1] + v[5]) + (v[3] + v[7]);
-  return a + b;
-}
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -81,7 +73,7 @@ inline float exponentiate(float* sc, int c, float m) {
   int i = 0;
   v8 total8 = v8{};
   for (; i + 8 <= c; i += 8) {
-    const v8 e = exp_nonpositive(vload(sc + i) - m);
+    const v8 e = exp_nonpositive(load(sc + i) - m);
     vstore(sc + i, e);
     total8 += e;
   }
@@ -98,8 +90,8 @@ inline void scores_n(const float* q, const float* const* k, float* sc) {
   v8 acc[N];
   for (int n = 0; n < N; ++n) acc[n] = v8{};
   for (int d = 0; d < D; d += 8) {
-    const v8 qv = vload(q + d);
-    for (int n = 0; n < N; ++n) acc[n] += qv * vload(k[n] + d);
+    const v8 qv = load(q + d);
+    for (int n = 0; n < N; ++n) acc[n] += qv * load(k[n] + d);
   }
   for (int n = 0; n < N; ++n) sc[n] = hsum(acc[n]);
 }
@@ -120,10 +112,10 @@ inline void add_values(float* o, float alpha, const float* const* v, const float
   constexpr int kLanes = D < 64 ? D : 64;
   for (int d0 = 0; d0 < D; d0 += kLanes) {
     v8 acc[kLanes / 8];
-    for (int r = 0; r < kLanes / 8; ++r) acc[r] = alpha != 1.f ? vload(o + d0 + 8 * r) * alpha : vload(o + d0 + 8 * r);
+    for (int r = 0; r < kLanes / 8; ++r) acc[r] = alpha != 1.f ? load(o + d0 + 8 * r) * alpha : load(o + d0 + 8 * r);
     for (int i = 0; i < c; ++i) {
       const v8 pi = v8{} + p[i];
-      for (int r = 0; r < kLanes / 8; ++r) acc[r] += pi * vload(v[i] + d0 + 8 * r);
+      for (int r = 0; r < kLanes / 8; ++r) acc[r] += pi * load(v[i] + d0 + 8 * r);
     }
     for (int r = 0; r < kLanes / 8; ++r) vstore(o + d0 + 8 * r, acc[r]);
   }

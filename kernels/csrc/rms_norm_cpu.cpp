@@ -32,7 +32,7 @@ inline T rounded(float x) {
 constexpr int kTorchLanes = 8;
 constexpr int kIlp = 4;
 constexpr int kLevels = 4;
-constexpr int kLevelPower = 4;  // max(4, ceil(log2(groups)) / 4): 4 below 2^20 groups
+constexpr int kLevelPower = 4;  // max(4, ceil(log2(groups)) / 4): 4 up to 2^19 groups
 
 template <typename T>
 inline float sum_of_squares(const T* x, int n) {

@@ -12,22 +12,14 @@
 // lanes, then the tail), so a token's routing never depends on its batch. The floats are not
 // torch's (whose sgemm sums in its own order): the weights agree with torch's within the rounding
 // of the product, a few 1e-6 relative at K = 1024-2048 (tests/kernels/test_cpu_router.py).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "common/vec8.h"
+
 namespace {
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-
-inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-
-inline float hsum(v8 v) {
-  const float a = (v[0] + v[4]) + (v[2] + v[6]);
-  const float b = (v[1] + v[5]) + (v[3] + v[7]);
-  return a + b;
-}
 
 constexpr int kRowsTogether = 4;  // weight rows sharing one pass over x's row
 
@@ -65,8 +57,9 @@ struct RouterShape {
   float norm_eps, scale;
 };
 
+// scores: room for 2 E floats, taken: for E flags (the calling thread's scratch).
 void route_token(const float* x, const float* w, const float* bias, const RouterShape& s, float* scores,
-                 float* weights, int64_t* ids) {
+                 uint8_t* taken, float* weights, int64_t* ids) {
   const int32_t E = s.num_experts;
   token_logits(x, w, s.k_len, E, scores);
   if (s.sigmoid) {
@@ -78,17 +71,18 @@ void route_token(const float* x, const float* w, const float* bias, const Router
     for (int32_t e = 0; e < E; ++e) sum += scores[e] = std::exp(scores[e] - most);
     for (int32_t e = 0; e < E; ++e) scores[e] /= sum;
   }
-  // the top k by choice value (score + bias), largest first; among equals the lower expert; a
-  // NaN never wins a comparison, so each pick falls back to the lowest expert not yet taken
+  // the top k by choice value (score + bias), largest first, among equals the lower expert; a
+  // NaN ranks above every number, as in torch.topk
   float* const choice = scores + E;
   for (int32_t e = 0; e < E; ++e) choice[e] = bias ? scores[e] + bias[e] : scores[e];
-  std::vector<bool> taken(E, false);
+  std::fill(taken, taken + E, uint8_t{0});
+  auto above = [](float c, float b) { return std::isnan(c) ? !std::isnan(b) : c > b; };
   float total = 0.f;
   for (int32_t a = 0; a < s.top_k; ++a) {
     int32_t best = -1;
     for (int32_t e = 0; e < E; ++e)
-      if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
-    taken[best] = true;
+      if (!taken[e] && (best < 0 || above(choice[e], choice[best]))) best = e;
+    taken[best] = 1;
     ids[a] = best;
     weights[a] = scores[best];
     total += scores[best];
@@ -116,10 +110,11 @@ int32_t batchgen_route(int32_t num_threads, const float* x, int64_t ldx, const f
   const bool parallel = num_threads > 1 && num_tokens * num_experts * static_cast<int64_t>(k_len) >= (int64_t{1} << 20);
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
-    std::vector<float> scratch(2 * static_cast<size_t>(num_experts));
+    std::vector<float> scores(2 * static_cast<size_t>(num_experts));
+    std::vector<uint8_t> taken(num_experts);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < num_tokens; ++t)
-      route_token(x + t * ldx, w, bias, s, scratch.data(), weights + t * top_k, ids + t * top_k);
+      route_token(x + t * ldx, w, bias, s, scores.data(), taken.data(), weights + t * top_k, ids + t * top_k);
   }
   return 0;
 }

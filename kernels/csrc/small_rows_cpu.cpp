@@ -59,8 +59,8 @@
 namespace {
 
 // y [M, Nout] = x [M, K] (row stride ldx) w^T + bias, w in tiles of `lanes` lanes ([Nout / L, K,
-// L], Nout and K multiples of L): blocks of three tiles split over the threads in contiguous
-// ranges, each block prefetching the next one's weights as it computes (from kAheadRows rows).
+// L], Nout and K multiples of L): blocks of three tiles shared out among the threads (over_blocks),
+// each block prefetching the next one's weights as it computes (from kAheadRows rows).
 template <int L>
 void linear_tiled(int32_t num_threads, const float* x, int64_t ldx, const float* wt, const float* bias, float* y,
                   int32_t m, int32_t k_len, int32_t n_out) {

@@ -1,7 +1,7 @@
 // bfloat16 as the CPU kernels read and write it: a float's top 16 bits, rounded to nearest even
 // as torch rounds (a NaN stays a quiet NaN). T = float or uint16_t (bf16 bits), so a kernel
 // templated on its storage type reads and writes either through the same two calls. Included by
-// each library that stores bf16 (every library's build covers csrc/common/*.h).
+// the attention, rope and RMSNorm libraries (every library's build key covers csrc/common/*.h).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// The small-rows kernels' shared pieces: vector types, kept scratch, prefetch bookkeeping.
+// The small-rows kernels' shared pieces: kept scratch, prefetch bookkeeping (vector types: ../common/vec8.h).
 // Included, in order, by ../small_rows_cpu.cpp: the library is one translation unit, and this part
 // of it sits in its anonymous namespace.
 #pragma once
@@ -17,10 +17,9 @@
 #include <immintrin.h>
 #endif
 
-namespace {
+#include "../common/vec8.h"
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+namespace {
 
 // Short weight rows (a dot product of at most kPrefetchLen) are fetched kPrefetch floats ahead
 // in software: a row of 1-2 KiB ends before the hardware prefetcher has followed it. Measured
@@ -29,8 +28,6 @@ typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 // rows ahead instead (dots_rows).
 constexpr int kPrefetch = 1024;
 constexpr int kPrefetchLen = 512;
-
-inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 
 // Scratch kept between calls by the thread that asks for it, up to kKeptFloats a buffer. At prompt
 // sizes the routed layer's scratch is tens of MiB, and a fresh allocation that size is a fresh
@@ -54,12 +51,6 @@ inline float* room(Scratch& scratch, int64_t floats, std::unique_ptr<float[]>& s
     scratch.size = floats;
   }
   return scratch.kept.get();
-}
-
-inline float hsum(v8 v) {
-  const float a = (v[0] + v[4]) + (v[2] + v[6]);
-  const float b = (v[1] + v[5]) + (v[3] + v[7]);
-  return a + b;
 }
 
 // Memory the caller wants in L2 by the time it is needed (the next work item's weights): `lines`

@@ -82,7 +82,7 @@ void moe_rows(int32_t num_threads, const float* x, const float* w13, const float
           dots_of(x_of(e), k_len, m, wg + static_cast<int64_t>(n_len) * k_len, k_len, n, up, block, up_ahead);
           float* he = h + at[e] * n_len;
           if (!as_panels(m)) {
-            for (int i = 0; i < m; ++i) silu_times(gate + i * block, up + i * block, n, he + i * n_len + j0);
+            for (int i = 0; i < m; ++i) silu_times(gate + i * block, up + i * block, n, he + static_cast<int64_t>(i) * n_len + j0);
             return;
           }
           for (int i = 0; i < padded(m); ++i) {  // h as panels, the padding lanes zero

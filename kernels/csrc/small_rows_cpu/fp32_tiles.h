@@ -19,8 +19,8 @@ template <int L>
 struct TileShape;
 template <>
 struct TileShape<8> {
-  typedef float vec __attribute__((vector_size(32)));
-  typedef float vec_u __attribute__((vector_size(32), aligned(4), may_alias));
+  typedef v8 vec;
+  typedef v8u vec_u;
   static constexpr int rows = 4, tiles = 3;
 };
 #if defined(__AVX512F__)

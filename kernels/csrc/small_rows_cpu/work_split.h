@@ -192,16 +192,18 @@ void run_phases(const ExpertBlocks<T>& b, const std::vector<int32_t>& experts, c
 template <typename Run>
 void over_blocks(int32_t num_threads, int32_t m, int32_t n_out, int block, const float* bias, float* y, Run run) {
   const int64_t items = (n_out + block - 1) / block;
-  const bool parallel = num_threads > 1 && items > 1;
-  const int parts = parallel ? num_threads : 1;
-  std::vector<int64_t> bounds(parts + 1);
-  for (int i = 0; i <= parts; ++i) bounds[i] = items * i / parts;
-  SharedItems shared(bounds);
-#pragma omp parallel num_threads(num_threads) if (parallel)
+  std::unique_ptr<SharedItems> shared;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1)
   {
     const Team team = this_team();
+#pragma omp single
+    {  // by the team's size, which may be smaller than asked for
+      std::vector<int64_t> bounds(team.size + 1);
+      for (int i = 0; i <= team.size; ++i) bounds[i] = items * i / team.size;
+      shared = std::make_unique<SharedItems>(bounds);
+    }
     int64_t next_item = -1;
-    for (int64_t item = shared.take(team.me, next_item); item >= 0; item = shared.take(team.me, next_item)) {
+    for (int64_t item = shared->take(team.me, next_item); item >= 0; item = shared->take(team.me, next_item)) {
       const int c0 = static_cast<int>(item * block);
       const int n = std::min(block, n_out - c0);
       const int next = static_cast<int>(next_item * block);
