@@ -29,24 +29,37 @@ def cpu_router_available() -> bool:
 
 def route_reference(x: torch.Tensor, router_w: torch.Tensor, top_k: int, sigmoid: bool = False,
                     normalize: bool = False, correction_bias: torch.Tensor | None = None,
-                    scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, K]; router_w: [E, K] -> (weights [T, A] fp32, ids [T, A] int64), in torch. With a
-    correction bias the renormalizing sum gets 1e-20 added, as DeepSeek-V3 adds it."""
+                    scale: float = 1.0, renorm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, K]; router_w: [E, K] -> (weights [T, A] fp32, ids [T, A] int64), in torch.
+    renorm_eps is added to the renormalizing sum (DeepSeek-V3 adds 1e-20)."""
     logits = torch.nn.functional.linear(x.float(), router_w.float())
     scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
     choice = scores + correction_bias if correction_bias is not None else scores
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if normalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if correction_bias is not None else 0.0))
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)
     if scale != 1.0:
         weights = weights * scale
     return weights, ids
 
 
+def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, sigmoid: bool = False, normalize: bool = False,
+          correction_bias: torch.Tensor | None = None, scale: float = 1.0,
+          renorm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_reference`'s result: the compiled kernel where x is on the CPU and every operand is
+    float32 and the kernel runs here, else the reference itself. Called for every MoE layer of
+    every forward, so it checks only what the kernel needs and trusts the model's shapes."""
+    lib = cpu_kernels("router_cpu") if x.device.type == "cpu" else None
+    if (lib is None or x.dtype is not torch.float32 or x.dim() != 2 or router_w.dtype is not torch.float32
+            or (correction_bias is not None and correction_bias.dtype is not torch.float32)):
+        return route_reference(x, router_w, top_k, sigmoid, normalize, correction_bias, scale, renorm_eps)
+    return route_unchecked(lib, x, router_w, top_k, sigmoid, normalize, correction_bias, scale, renorm_eps)
+
+
 def route_cpu(x: torch.Tensor, router_w: torch.Tensor, top_k: int, sigmoid: bool = False,
               normalize: bool = False, correction_bias: torch.Tensor | None = None,
-              scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float = 1.0, renorm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_reference` in one compiled call: x [T, K] and router_w [E, K] (and the bias [E])
     CPU float32 tensors."""
     lib = cpu_kernels("router_cpu")
@@ -65,11 +78,12 @@ def route_cpu(x: torch.Tensor, router_w: torch.Tensor, top_k: int, sigmoid: bool
         raise KernelInputError(f"correction_bias must be [{num_experts}], got {tuple(correction_bias.shape)}")
     if not 1 <= top_k <= num_experts:
         raise KernelInputError(f"top_k must be in [1, {num_experts}], got {top_k}")
-    return route_unchecked(lib, x, router_w, top_k, sigmoid, normalize, correction_bias, scale)
+    return route_unchecked(lib, x, router_w, top_k, sigmoid, normalize, correction_bias, scale, renorm_eps)
 
 
-def route_unchecked(lib: Any, x: torch.Tensor, router_w: torch.Tensor, top_k: int, sigmoid: bool,
-                    normalize: bool, correction_bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_unchecked(lib: Any, x: torch.Tensor, router_w: torch.Tensor, top_k: int, sigmoid: bool, normalize: bool,
+                    correction_bias: torch.Tensor | None, scale: float,
+                    renorm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel call on operands as route_cpu checks them."""
     if x.shape[0] and x.stride(1) != 1:
         x = x.contiguous()
@@ -82,5 +96,5 @@ def route_unchecked(lib: Any, x: torch.Tensor, router_w: torch.Tensor, top_k: in
         lib.batchgen_route(torch.get_num_threads(), x.data_ptr(), x.stride(0), router_w.data_ptr(),
                            None if bias is None else bias.data_ptr(), T,
                            x.shape[1], router_w.shape[0], top_k, int(sigmoid), int(normalize),
-                           1e-20 if correction_bias is not None else 0.0, scale, weights.data_ptr(), ids.data_ptr())
+                           renorm_eps, scale, weights.data_ptr(), ids.data_ptr())
     return weights, ids

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen_kernels import fused_moe, fused_moe_grouped, fused_moe_grouped_into, triton_available
-from batchgen_kernels.cpu_router import cpu_router_available, route_cpu
+from batchgen_kernels.cpu_router import route as route_top_k
 from batchgen_kernels.expert_tiles import moe_tiled_cpu
 
 from .layers import mlp
@@ -24,31 +24,29 @@ from .weights import MoEWeights
 def route(x: torch.Tensor, router_w: torch.Tensor, r: RouterSpec,
           correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, H] -> (topk_weights [T, A] fp32, topk_ids [T, A] int64). Routing runs in fp32."""
-    if (x.device.type == "cpu" and r.num_groups == 1 and router_w.dtype == torch.float32
-            and (correction_bias is not None) == r.has_correction_bias and cpu_router_available()):
-        # one compiled call for the product, scores, top-k and weights (batchgen_kernels.cpu_router)
-        bias = correction_bias.float() if correction_bias is not None else None
-        return route_cpu(x.float(), router_w, r.top_k, r.scoring == "sigmoid", r.norm_topk_prob, bias,
-                         r.routed_scaling_factor)
+    renorm_eps = 1e-20 if r.has_correction_bias else 0.0  # (DeepSeek-V3's)
+    if r.num_groups == 1:  # on the CPU one compiled call (batchgen_kernels.cpu_router)
+        return route_top_k(x.float(), router_w, r.top_k, r.scoring == "sigmoid", r.norm_topk_prob, correction_bias,
+                           r.routed_scaling_factor, renorm_eps)
+    # grouped routing (DeepSeek's expert groups): the groups' scores pick the groups first
     logits = F.linear(x.float(), router_w)  # [T, E]
     scores = logits.softmax(dim=-1) if r.scoring == "softmax" else logits.sigmoid()
     choice = scores + correction_bias if correction_bias is not None else scores
-    if r.num_groups > 1:
-        T, E, G = x.shape[0], r.num_experts, r.num_groups
-        grouped = choice.view(T, G, E // G)
-        if r.group_score == "max":
-            group_scores = grouped.max(dim=-1).values
-        else:
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-        keep_groups = group_scores.topk(r.topk_groups, dim=-1).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
-        keep = keep.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
-        # deepseek_v2 zeroes the dropped groups' softmax scores; v3 (sigmoid + bias) sets them to -inf
-        choice = choice.masked_fill(~keep, float("-inf") if r.group_score == "top2sum" else 0.0)
+    T, E, G = x.shape[0], r.num_experts, r.num_groups
+    grouped = choice.view(T, G, E // G)
+    if r.group_score == "max":
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    keep_groups = group_scores.topk(r.topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
+    keep = keep.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+    # deepseek_v2 zeroes the dropped groups' softmax scores; v3 (sigmoid + bias) sets them to -inf
+    choice = choice.masked_fill(~keep, float("-inf") if r.group_score == "top2sum" else 0.0)
     ids = choice.topk(r.top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if r.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if r.has_correction_bias else 0.0))
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)
     if r.routed_scaling_factor != 1.0:
         weights = weights * r.routed_scaling_factor
     return weights, ids

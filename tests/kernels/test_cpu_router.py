@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen_kernels.cpu_router import cpu_router_available, route_cpu, route_reference
+from batchgen.models.moe import route as model_route
+from batchgen.models.spec import RouterSpec
+from batchgen_kernels.cpu_router import cpu_router_available, route, route_cpu, route_reference
 from batchgen_kernels.errors import KernelInputError
 
 pytestmark = pytest.mark.skipif(not cpu_router_available(), reason="no C++ compiler for the CPU kernels")
 
 VARIANTS = [{}, {"normalize": True}, {"sigmoid": True},
-            {"sigmoid": True, "normalize": True, "correction_bias": "bias", "scale": 2.5},
+            {"sigmoid": True, "normalize": True, "correction_bias": "bias", "scale": 2.5, "renorm_eps": 1e-20},
             {"normalize": True, "scale": 0.5}]
 
 
@@ -76,6 +78,36 @@ def test_no_tokens_and_non_finite_rows() -> None:
     weights, ids = route_cpu(x, w, 2)
     assert ((ids >= 0) & (ids < 8)).all() and ids[1].unique().numel() == 2  # still two distinct experts
     assert torch.equal(ids[[0, 2]], route_reference(x[[0, 2]], w, 2)[1])
+
+
+@pytest.mark.parametrize("nan_expert", [0, 3, 7])
+def test_a_nan_choice_ranks_first_as_in_torch(nan_expert: int) -> None:
+    """torch.topk ranks NaN above every number, wherever the NaN expert sits."""
+    x, w = separated(6, 8, 32, 2, seed=11, sigmoid=True)
+    bias = torch.zeros(8)
+    bias[nan_expert] = float("nan")
+    got = route_cpu(x, w, 2, sigmoid=True, correction_bias=bias)[1]
+    want = route_reference(x, w, 2, sigmoid=True, correction_bias=bias)[1]
+    assert (got[:, 0] == nan_expert).all()
+    assert torch.equal(got, want)
+
+
+def test_the_dispatcher_and_the_models_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`route` runs the kernel here and the reference with the CPU kernels off; the model's router
+    maps its spec onto it (sigmoid, renormalizing with DeepSeek-V3's 1e-20, scaling, bias)."""
+    x, w = separated(50, 16, 64, 4, seed=2, sigmoid=True, bias=torch.linspace(0, 0.01, 16))
+    bias = torch.linspace(0, 0.01, 16)
+    spec = RouterSpec(num_experts=16, top_k=4, scoring="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+                      has_correction_bias=True)
+    kernel = route(x, w, 4, True, True, bias, 2.5, 1e-20)
+    assert all(torch.equal(a, b) for a, b in zip(kernel, route_cpu(x, w, 4, True, True, bias, 2.5, 1e-20)))
+    assert all(torch.equal(a, b) for a, b in zip(kernel, model_route(x, w, spec, bias)))
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
+    reference = route_reference(x, w, 4, True, True, bias, 2.5, 1e-20)
+    for got in (route(x, w, 4, True, True, bias, 2.5, 1e-20), model_route(x, w, spec, bias)):
+        assert all(torch.equal(a, b) for a, b in zip(got, reference))
+    assert torch.equal(kernel[1], reference[1])
+    torch.testing.assert_close(kernel[0], reference[0], rtol=2e-5, atol=1e-7)
 
 
 def test_bad_operands_are_refused() -> None:
