@@ -1,15 +1,17 @@
 """RMSNorm on CPU in one compiled pass per row (csrc/rms_norm_cpu.cpp), and its torch reference.
 
-torch's RMSNorm on CPU is a composite of five operators (pow, mean, add, rsqrt, mul), each a pass
-over the activations, and a model runs two a layer: at a prompt step's 2,048 x 1,024 floats they
-took 0.48 ms against the kernel's 0.28 warm, 1.01 against 0.73 ms with the caches emptied between
-calls (two threads, Zen 4); in a benchmark job the norms took 0.47 s against 0.25. The kernel repeats
-torch's operations in torch's order (its cascade sum of eight-lane vectors), so its floats are
-torch's, and transformers'; `rms_norm_kernel_matches` checks that once per dtype and width
-against the reference before a caller relies on it, since torch may sum in another order on
-another build.
+torch's RMSNorm on CPU (F.rms_norm, then the weight's mul) runs as a composite of operators (pow,
+mean, add, rsqrt, mul under the profiler), each a pass over the activations, and a model runs two
+a layer: at a prompt step's 2,048 x 1,024 floats they took 0.48 ms against the kernel's 0.28
+warm, 1.01 against 0.73 ms with the caches emptied between calls (two threads, Zen 4). The kernel
+repeats torch's operations in torch's order (its cascade sum of eight-lane vectors, as torch 2.13
+sums), so its floats are torch's, and transformers'; `rms_norm_kernel_for` checks that once per
+dtype and width against the reference before a caller relies on it, since torch may sum in
+another order on another build.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -33,24 +35,30 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * xf.to(x.dtype)
 
 
-def rms_norm_kernel_matches(dtype: torch.dtype, width: int) -> bool:
-    """Whether the kernel runs here and gives the reference's floats on rows of `width` values of
-    `dtype` (float32 or bfloat16). Checked on first call per (dtype, width) on rows of random
-    values of several scales: a sum in another order than torch's gives other floats in most
-    such rows, so a match is no accident."""
-    if not cpu_rms_norm_available():  # (asked each time: BATCHGEN_CPU_KERNELS may change)
-        return False
+# From this many values a row, torch splits a lone row's sum over its threads (its reduction's
+# grain size), an order the kernel does not repeat: wider rows stay with torch.
+_TORCH_SPLIT_WIDTH = 32768
+
+
+def rms_norm_kernel_for(dtype: torch.dtype, width: int) -> Any | None:
+    """The kernel's library where it runs here and gives the reference's floats on rows of
+    `width` values of `dtype` (float32 or bfloat16), else None. Checked on first call per (dtype,
+    width) on rows of random values of several scales: a sum in another order than torch's gives
+    other floats in most such rows, so a match is no accident."""
+    lib = cpu_kernels("rms_norm_cpu")  # (asked each time: BATCHGEN_CPU_KERNELS may change)
+    if lib is None:
+        return None
     key = (dtype, width)
     if key not in _matches:
-        ok = dtype in _DTYPES and width > 0
+        ok = dtype in _DTYPES and 0 < width < _TORCH_SPLIT_WIDTH
         if ok:
             g = torch.Generator().manual_seed(width)
             scales = torch.logspace(-3, 3, _CHECK_ROWS, dtype=torch.float64).to(torch.float32).unsqueeze(1)
             x = (torch.randn(_CHECK_ROWS, width, generator=g) * scales).to(dtype)
             weight = torch.randn(width, generator=g).to(dtype)
-            ok = torch.equal(rms_norm_cpu(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6))
+            ok = torch.equal(rms_norm_unchecked(lib, x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6))
         _matches[key] = ok
-    return _matches[key]
+    return lib if _matches[key] else None
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,6 +74,12 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     if n == 0 or tuple(weight.shape) != (n,):
         raise KernelInputError(f"x must be [..., n] with n > 0 and weight [n], got {tuple(x.shape)} and "
                                f"{tuple(weight.shape)}")
+    return rms_norm_unchecked(lib, x, weight, eps)
+
+
+def rms_norm_unchecked(lib: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The kernel call on operands as rms_norm_cpu checks them."""
+    n = x.shape[-1]
     rows = x.reshape(-1, n)
     if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < n):
         rows = rows.contiguous()

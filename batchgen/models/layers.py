@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen_kernels.cpu_rms_norm import rms_norm_cpu, rms_norm_kernel_matches
+from batchgen_kernels.cpu_rms_norm import rms_norm_kernel_for, rms_norm_reference, rms_norm_unchecked
 from batchgen_kernels.tiled_linear import linear
 
 from .weights import MLPWeights
@@ -12,10 +12,11 @@ from .weights import MLPWeights
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalize in fp32 then scale in the input dtype, as transformers' *RMSNorm does."""
-    if x.device.type == "cpu" and weight.dtype == x.dtype and rms_norm_kernel_matches(x.dtype, x.shape[-1]):
-        # one compiled pass a row, torch's floats (checked once per dtype and width): torch's
-        # composite is five or more operators, each a pass over the rows, two per layer
-        return rms_norm_cpu(x, weight, eps)
+    lib = rms_norm_kernel_for(x.dtype, x.shape[-1]) if x.device.type == "cpu" and weight.dtype == x.dtype else None
+    if lib is not None:
+        # one compiled pass a row with torch's floats (checked once per dtype and width), where
+        # torch's runs several operators, each a pass over the rows
+        return rms_norm_unchecked(lib, x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         # one fused op instead of seven, bit-identical in fp32 (tests/engine/test_rms_norm.py).
         # On CPU the weight is applied after it: torch's fused op with a weight ran 10-20x
@@ -23,10 +24,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.device.type == "cpu":
             return F.rms_norm(x, (x.shape[-1],), None, eps).mul_(weight)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    return rms_norm_reference(x, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

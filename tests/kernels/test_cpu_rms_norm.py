@@ -8,12 +8,15 @@ import torch
 from batchgen_kernels.cpu_rms_norm import (
     cpu_rms_norm_available,
     rms_norm_cpu,
-    rms_norm_kernel_matches,
+    rms_norm_kernel_for,
     rms_norm_reference,
 )
 from batchgen_kernels.errors import KernelInputError
 
-pytestmark = pytest.mark.skipif(not cpu_rms_norm_available(), reason="no C++ compiler for the CPU kernels")
+# the kernel repeats torch 2.13's order of summing (the version the project pins); another torch
+# may sum otherwise, and the model then keeps torch's path (rms_norm_kernel_for says no)
+pytestmark = [pytest.mark.skipif(not cpu_rms_norm_available(), reason="no C++ compiler for the CPU kernels"),
+              pytest.mark.skipif(not torch.__version__.startswith("2.13."), reason="torch 2.13's order of summing")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,7 +29,7 @@ def test_same_floats_as_the_reference(dtype: torch.dtype, rows: int, width: int)
     got = rms_norm_cpu(x, weight, 1e-6)
     assert got.dtype == dtype and got.shape == x.shape
     assert torch.equal(got, rms_norm_reference(x, weight, 1e-6))
-    assert rms_norm_kernel_matches(dtype, width)
+    assert rms_norm_kernel_for(dtype, width) is not None
 
 
 def test_rows_of_any_stride_and_shape_and_thread_count() -> None:
@@ -57,4 +60,4 @@ def test_bad_operands_are_refused() -> None:
         rms_norm_cpu(x.double(), torch.randn(8).double(), 1e-6)
     with pytest.raises(KernelInputError, match="one dtype"):
         rms_norm_cpu(x, torch.randn(8).to(torch.bfloat16), 1e-6)
-    assert not rms_norm_kernel_matches(torch.float64, 8)
+    assert rms_norm_kernel_for(torch.float64, 8) is None
