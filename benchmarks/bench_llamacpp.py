@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from bench_engine import run_batchgen, workload
 from demo_builder import build_demo_model
+from tiny_models import reference_generate
 
 # Runs the converter with two patches: our byte-level BPE tokenizers' pre-tokenizer hash is
 # unknown to it (they are GPT-2's), and it imports sentencepiece even with no tokenizer.model.
@@ -121,19 +122,6 @@ def run_llamacpp(gguf: Path, prompts: list[list[int]], lengths: list[int], slots
     return elapsed, outputs
 
 
-def transformers_greedy(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p, n in zip(prompts, lengths):
-            ids = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 eos_token_id=[], pad_token_id=0)
-            outs.append(ids[0, len(p):].tolist())
-    return outs
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--converter", type=Path, help="llama.cpp's convert_hf_to_gguf.py (from the sdist)")
@@ -169,7 +157,7 @@ def main() -> None:
                 del os.environ["BATCHGEN_CPU_KERNELS"]
             t_off = min(t_off, elapsed)
         k = min(args.check_rows, args.rows)
-        hf = transformers_greedy(model_dir, prompts[:k], lengths[:k]) if k else []
+        hf = [reference_generate(model_dir, p, n, ignore_eos=True) for p, n in zip(prompts[:k], lengths[:k])]
     assert [len(o) for o in out_lc] == lengths
     same_hf = sum(a == b for a, b in zip(out_bg[:k], hf))
     agree = sum(a == b for a, b in zip(out_bg, out_lc))

@@ -22,8 +22,8 @@ torch+cpu), as a subprocess per run; the script creates that virtualenv on first
 noise here.
 
 With --llamacpp-converter (llama.cpp's convert_hf_to_gguf.py, from the llama-cpp-python source
-distribution; see bench_llamacpp.py), llama.cpp runs too: the checkpoint converted to GGUF f32,
-continuous batching as bench_llamacpp drives it. Its slot counts (--llamacpp-slots) are tried
+distribution; see bench_llamacpp.py), llama.cpp runs too: the checkpoint converted to GGUF (f32,
+or bf16 with --dtype bfloat16), continuous batching as bench_llamacpp drives it. Its slot counts (--llamacpp-slots) are tried
 once first, and the fastest joins every pair (the three sides in rotating order).
 
 FLOPs are counted from the config (job_limits.py). The share of the machine's peak is that over
@@ -51,12 +51,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
-
-from bench_engine import run_batchgen, workload  # noqa: E402
-from bench_llamacpp import convert, run_llamacpp  # noqa: E402
-from job_limits import flops, gemm_peak, has_fast_bf16, read_bandwidth, roofline_seconds  # noqa: E402
+from bench_engine import run_batchgen, workload
+from bench_llamacpp import convert, run_llamacpp
+from job_limits import flops, gemm_peak, has_fast_bf16, read_bandwidth, roofline_seconds
 
 VLLM_VERSION = "0.32.0"
 DTYPES = {"float32": (torch.float32, "f32"), "bfloat16": (torch.bfloat16, "bf16")}  # -> (torch, GGUF outtype)

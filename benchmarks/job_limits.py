@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from batchgen.sim.cost import experts_touched
+from batchgen_kernels.expert_tiles import cpu_multiplies_bf16
+
 
 def head_dim(config: dict[str, Any]) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -96,13 +99,14 @@ def roofline_seconds(config: dict[str, Any], prompts: list[list[int]], lengths: 
         running = [i for i, n in enumerate(lengths) if n > step]
         positions = sum(len(prompts[i]) + step for i in running)  # each running row's context
         step_flops = len(running) * (per_token + lm_head_flops) + per_position * positions
-        read_experts = experts * (1 - (1 - top_k / experts) ** len(running))  # a row misses one w.p. 1 - k/E
+        read_experts = float(experts_touched(len(running), experts, top_k))
         step_bytes = itemsize * (shared + layers * read_experts * expert + layers * kv_width * positions)
         seconds += max(step_flops / flop_rate, step_bytes / byte_rate)
     return seconds
 
 
 def has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): without it a bf16 GEMM is
-    emulated and a 4096^3 one takes minutes, so its "peak" would mean nothing."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX, by its feature flags, which
+    is what batchgen's bf16 tiles need too): without it a bf16 GEMM is emulated and a 4096^3 one
+    takes minutes, so its "peak" would mean nothing."""
+    return cpu_multiplies_bf16()

@@ -106,6 +106,12 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_features()
 
 
+def cpu_multiplies_bf16() -> bool:
+    """Whether the CPU multiplies bf16 values in hardware (AVX512-BF16 or AMX): elsewhere a bf16
+    GEMM is emulated in fp32 and far slower."""
+    return bool(cpu_features() & {"avx512_bf16", "amx_bf16"})
+
+
 def bf16_tiles_preferred() -> bool:
     """Whether a bf16 model's weights are kept in bf16 tiles here: bf16_tiles_supported(), on a
     CPU without AMX. Where it has AMX, torch's bf16 GEMM (oneDNN) runs on AMX's tiles, whose
