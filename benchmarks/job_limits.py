@@ -4,7 +4,10 @@ time from the two (bench_vllm.py reports each engine against them).
 
 FLOPs per token: the attention projections, the router, top_k experts and (for generated tokens)
 the LM head, 2 FLOPs a multiply-add, plus the attention's score and value products over the
-context.
+context. The last layer's router and experts count only for the rows that sample (a prompt's last
+token and each decode row): nothing reads the other rows' output of that layer, and an engine
+need not compute it (batchgen and llama.cpp do not; vLLM does, so its share counts only the work
+the job needs).
 """
 from __future__ import annotations
 
@@ -39,15 +42,23 @@ def token_flops(config: dict[str, Any]) -> tuple[float, float, float]:
             4 * layers * config["num_attention_heads"] * head_dim(config))
 
 
+def ffn_layer_flops(config: dict[str, Any]) -> float:
+    """Matmul FLOPs of one token through one layer's router and top_k experts."""
+    h = config["hidden_size"]
+    return 2 * h * (config["num_local_experts"] + config["num_experts_per_tok"] * 3 * config["intermediate_size"])
+
+
 def flops(config: dict[str, Any], prompts: list[list[int]], lengths: list[int]) -> float:
     """Matmul FLOPs of the whole job (see the module docstring). A row of prompt p and n new tokens
-    runs p + n - 1 tokens through the layers (its last token is only sampled) and samples n."""
+    runs p + n - 1 tokens through the layers (its last token is only sampled) and samples n, so
+    p - 1 of them skip the last layer's router and experts."""
     per_token, lm_head, per_position = token_flops(config)
+    last_ffn = ffn_layer_flops(config)
     total = 0.0
     for p, n in zip(prompts, lengths):
         tokens = len(p) + n - 1
         # position i attends to i + 1 positions
-        total += tokens * per_token + n * lm_head + per_position * tokens * (tokens + 1) / 2
+        total += tokens * per_token - (len(p) - 1) * last_ffn + n * lm_head + per_position * tokens * (tokens + 1) / 2
     return total
 
 
@@ -81,7 +92,8 @@ def roofline_seconds(config: dict[str, Any], prompts: list[list[int]], lengths: 
                      byte_rate: float, itemsize: int = 4) -> float:
     """The job's time if every step ran at its roofline, all rows batched from the start (as
     batchgen and vLLM run them while they fit one batch): the prompts at their FLOPs over
-    flop_rate, then one decode step per generated position after the first, each taking the larger
+    flop_rate (the last layer's experts for their last rows only, as `flops`), then one decode
+    step per generated position after the first, each taking the larger
     of its FLOPs over flop_rate and the bytes it must read over byte_rate (the attention
     projections, router and LM head, the experts its rows route to, every running row's KV cache
     so far; `itemsize` bytes a value). Experts read: the expected number under uniform routing
@@ -91,9 +103,10 @@ def roofline_seconds(config: dict[str, Any], prompts: list[list[int]], lengths: 
     kv_width = 2 * config["num_key_value_heads"] * head_dim(config)
     experts, top_k = config["num_local_experts"], config["num_experts_per_tok"]
     per_token, lm_head_flops, per_position = token_flops(config)
+    last_ffn = ffn_layer_flops(config)
     expert = 3 * h * config["intermediate_size"]
     shared = layers * dense_params(config) + h * config["vocab_size"]  # what a step reads but experts
-    seconds = sum(len(p) * per_token + lm_head_flops + per_position * len(p) * (len(p) + 1) / 2
+    seconds = sum(len(p) * per_token - (len(p) - 1) * last_ffn + lm_head_flops + per_position * len(p) * (len(p) + 1) / 2
                   for p in prompts) / flop_rate
     for step in range(1, max(lengths)):
         running = [i for i, n in enumerate(lengths) if n > step]

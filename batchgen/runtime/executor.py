@@ -62,9 +62,16 @@ class Executor:
             batches.append((slice(row, row + n), AttentionBatch.build(items, self.block_size, self.kv_device,
                                                                       self.cache.dtype)))
             row += n
+        sample_rows, samplers, row = [], [], 0
+        for item in ordered:
+            row += item.num_new
+            if item.samples:
+                sample_rows.append(row - 1)
+                samplers.append(item)
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
         routed: list[torch.Tensor] = []  # per MoE layer: topk_ids [T, A], read back once per forward
         record = routed.append
+        last = self.model.num_layers - 1
         for layer in range(self.model.num_layers):
             cache = self.cache[layer]
             if len(batches) == 1:  # one attention batch: no slice to write back into (a [T, H] copy)
@@ -72,26 +79,27 @@ class Executor:
             else:
                 for rows, batch in batches:
                     hidden[rows] = self.model.attention_stage(layer, hidden[rows], batch, cache)
+            if layer == last and len(sample_rows) < len(tokens):
+                # Past the last attention stage (every row's KV is written) only the sampling
+                # rows' hidden state is ever read, by the logits: the last FFN runs on those
+                # alone, as llama.cpp does (a prompt chunk's other rows are 1/L of its work)
+                if not sample_rows:
+                    break
+                hidden = hidden[torch.tensor(sample_rows, device=dev)]
             moe = self.model.is_moe_layer(layer)
             if moe:
-                self.stats.moe_batches.append(len(tokens))
+                self.stats.moe_batches.append(hidden.shape[0])
             hidden = self.model.ffn_stage(layer, hidden, record if moe else None)
         if routed:
             counts = torch.cat([torch.bincount(ids.flatten()) for ids in routed]).tolist()
             self.stats.expert_call_tokens.extend(c for c in counts if c > 0)
         self.stats.forwards += 1
         self.stats.attention_batches.extend(rows.stop - rows.start for rows, _ in batches)
-        sample_rows, samplers, row = [], [], 0
-        for item in ordered:
-            row += item.num_new
-            if item.samples:
-                sample_rows.append(row - 1)
-                samplers.append(item)
         for item in ordered:
             item.seq.num_computed += item.num_new
         if not sample_rows:
             return [], torch.empty(0, self.model.spec.vocab_size)
-        return samplers, self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
+        return samplers, self.model.logits(hidden)
 
     def _execute_graph(self, items: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """A decode-only step replayed from the CUDA graph of its batch-size bucket."""

@@ -26,8 +26,11 @@ def test_token_flops_by_hand() -> None:
 
 def test_job_flops_run_the_last_token_only_through_sampling() -> None:
     per_token, lm_head, per_position = job_limits.token_flops(CONFIG)
-    # prompt of 3, 2 new tokens: positions 0-3 run through the layers (attending 1-4 positions)
-    assert job_limits.flops(CONFIG, [[7, 8, 9]], [2]) == 4 * per_token + 2 * lm_head + per_position * 10
+    last_ffn = 2 * (2 * 3 * 4 * 3 + 4 * 4)  # one token through one layer's experts and router
+    assert job_limits.ffn_layer_flops(CONFIG) == last_ffn
+    # prompt of 3, 2 new tokens: positions 0-3 run through the layers (attending 1-4 positions);
+    # the prompt's first two skip the last layer's experts (only sampling rows need them)
+    assert job_limits.flops(CONFIG, [[7, 8, 9]], [2]) == 4 * per_token - 2 * last_ffn + 2 * lm_head + per_position * 10
 
 
 def test_roofline_without_a_memory_limit_is_the_flops_at_the_rate() -> None:

@@ -73,7 +73,12 @@ def test_moe_batches_are_larger_than_attention_micro_batches(checkpoint_factory,
     engine = Engine(model_dir, block_size=8, attention_kv_tokens=48)
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     summary = engine.stats_summary()
-    assert summary["moe_batch_mean"] >= 4 * summary["attention_batch_mean"], summary
+    # the first layer's MoE stage of each forward (every layer is MoE here; the last one's may
+    # run the sampling rows alone)
+    layers = engine.executor.model.num_layers
+    first = list(engine.stats.moe_batches)[::layers]
+    assert len(first) == summary["forwards"]
+    assert sum(first) / len(first) >= 4 * summary["attention_batch_mean"], summary
     assert summary["tokens_per_expert_call_mean"] > 0
     for p, out in zip(prompts, outs):
         assert out.token_ids == tiny_models.reference_generate(model_dir, p, 8)
@@ -138,3 +143,41 @@ def test_resume_refuses_a_sequence_too_long_for_this_engine(checkpoint_factory, 
     small = Engine(model_dir, block_size=8, max_model_len=64)
     out = small.pop_output(small.resume(first.suspend(sid)))
     assert out.finish_reason == "error" and "cannot resume here" in out.error and "max_model_len" in out.error
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "llama"])
+def test_last_ffn_runs_on_the_sampling_rows_only(checkpoint_factory, arch: str) -> None:
+    """After the last attention stage only the rows that sample are read: the last FFN/MoE stage
+    gets those rows (none for a prompt chunk that samples nothing), every other stage all rows,
+    and the tokens stay transformers'."""
+    model_dir = checkpoint_factory(arch)
+    prompts = list(tiny_models.mixed_prompts(model_dir, (21, 5, 9)))
+    engine = Engine(model_dir, block_size=8, max_num_batched_tokens=16, enable_prefix_caching=False)
+    model = engine.executor.model
+    last = model.num_layers - 1
+    calls: list[tuple[int, int]] = []
+    ffn_stage = model.ffn_stage
+
+    def spy(layer, hidden, on_route=None):
+        calls.append((layer, hidden.shape[0]))
+        return ffn_stage(layer, hidden, on_route)
+
+    model.ffn_stage = spy  # type: ignore[method-assign]
+    forwards: list[tuple[int, int, list[tuple[int, int]]]] = []  # (rows fed, rows sampling, FFN calls)
+    execute = engine.executor.execute
+
+    def forward(plan):
+        calls.clear()
+        samplers, logits = execute(plan)
+        forwards.append((plan.num_tokens, len(samplers), list(calls)))
+        return samplers, logits
+
+    engine.executor.execute = forward  # type: ignore[method-assign]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == tiny_models.reference_generate(model_dir, p, 4, ignore_eos=True)
+    assert forwards[0] == (16, 0, [(layer, 16) for layer in range(last)])  # 16 of the first prompt's 21 rows
+    for rows, sampling, ffn in forwards:
+        expected = [(layer, rows) for layer in range(last)] + ([(last, sampling)] if sampling else [])
+        assert ffn == expected
+    assert any(sampling and sampling < rows for rows, sampling, _ in forwards)
