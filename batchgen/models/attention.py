@@ -293,8 +293,10 @@ def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor,
 
 
 def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbedding, batch: AttentionBatch,
-                  cache: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, H] (already normed) -> attention output [T, H]; writes this batch's K/V into cache [slots, W]."""
+                  cache: torch.Tensor, eps: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, H] (already normed) -> attention output [T, H], or [R, H] of the R `rows` alone (their
+    output projection only: every row's K/V is still written); writes this batch's K/V into cache
+    [slots, W]."""
     T = x.shape[0]
     hq, hk, d = a.num_heads, a.num_kv_heads, a.head_dim
     qkv = linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2 Hk) D]
@@ -332,4 +334,5 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
 
     out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d, paged=paged, fresh=new_kv,
                           paged_prefill_context=paged_prefill_context(d))
-    return linear(out.reshape(T, hq * d), w.o, w.o_bias)
+    out = out.reshape(T, hq * d)
+    return linear(out if rows is None else out[rows], w.o, w.o_bias)

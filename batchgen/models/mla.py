@@ -27,8 +27,9 @@ LATENT_NORM_EPS = 1e-6
 
 
 def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbedding, batch: AttentionBatch,
-                  cache: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, H] (already normed) -> [T, H]; writes the latent of this batch's tokens into cache [slots, W].
+                  cache: torch.Tensor, eps: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, H] (already normed) -> [T, H], or [R, H] of the R `rows` alone (their output
+    projection only); writes the latent of this batch's tokens into cache [slots, W].
 
     eps is the model's rms_norm_eps, unused here: the latent norms use LATENT_NORM_EPS.
     """
@@ -74,4 +75,5 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbe
         return torch.einsum("shr,hvr->shv", o_latent, w_uv)
 
     out = paged_attention(q, batch, cache, expand, a.softmax_scale, None, a.v_head_dim, decode, paged, new_rows)
-    return F.linear(out.reshape(T, h * a.v_head_dim), w.o, w.o_bias)
+    out = out.reshape(T, h * a.v_head_dim)
+    return F.linear(out if rows is None else out[rows], w.o, w.o_bias)

@@ -159,9 +159,10 @@ class Model:
         return F.embedding(token_ids, self.weights.embed)
 
     def attention_stage(self, layer: int, hidden: torch.Tensor, batch: AttentionBatch,
-                        cache: torch.Tensor) -> torch.Tensor:
-        """hidden: [T, H] -> [T, H]; cache: this layer's [slots, W]. With attention on the host,
-        the rows go to host memory, attend the KV there and come back."""
+                        cache: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [T, H] -> [T, H], or [R, H] of the R `rows` alone (every row's KV is still
+        written; the output projection runs on those rows); cache: this layer's [slots, W]. With
+        attention on the host, the rows go to host memory, attend the KV there and come back."""
         a = self.spec.layers[layer].attention
         fn = gqa_attention if isinstance(a, GQASpec) else mla_attention
         if self._host_attention is not None:
@@ -169,11 +170,14 @@ class Model:
             norm, weights = self._host_attention[layer]
             h = hidden.to(cache.device)
             x = rms_norm(h, norm, self.spec.rms_norm_eps)
-            out = h + fn(x, weights, a, self._host_rotary, batch, cache, self.spec.rms_norm_eps)  # type: ignore[arg-type]
+            kept = None if rows is None else rows.to(cache.device)
+            out = (h if kept is None else h[kept]) + fn(x, weights, a, self._host_rotary, batch, cache,  # type: ignore[arg-type]
+                                                        self.spec.rms_norm_eps, kept)
             return out.to(hidden.device)
         w = self.weights.layers[layer]
         x = rms_norm(hidden, w.input_norm, self.spec.rms_norm_eps)
-        return hidden + fn(x, w.attention, a, self.rotary, batch, cache, self.spec.rms_norm_eps)  # type: ignore[arg-type]
+        return (hidden if rows is None else hidden[rows]) + fn(x, w.attention, a, self.rotary, batch, cache,  # type: ignore[arg-type]
+                                                                self.spec.rms_norm_eps, rows)
 
     def ffn_stage(self, layer: int, hidden: torch.Tensor,
                   on_route: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:

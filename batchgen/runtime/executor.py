@@ -72,20 +72,22 @@ class Executor:
         routed: list[torch.Tensor] = []  # per MoE layer: topk_ids [T, A], read back once per forward
         record = routed.append
         last = self.model.num_layers - 1
+        # Past the last layer's KV write only the sampling rows' hidden state is ever read (by the
+        # logits): that layer's output projection and FFN run on those rows alone, as llama.cpp
+        # does (the rest of a prompt chunk's rows are about 1/L of its work)
+        keep = torch.tensor(sample_rows, dtype=torch.long, device=dev) if len(sample_rows) < len(tokens) else None
         for layer in range(self.model.num_layers):
             cache = self.cache[layer]
+            pruned = layer == last and keep is not None
             if len(batches) == 1:  # one attention batch: no slice to write back into (a [T, H] copy)
-                hidden = self.model.attention_stage(layer, hidden, batches[0][1], cache)
+                hidden = self.model.attention_stage(layer, hidden, batches[0][1], cache, keep if pruned else None)
             else:
                 for rows, batch in batches:
                     hidden[rows] = self.model.attention_stage(layer, hidden[rows], batch, cache)
-            if layer == last and len(sample_rows) < len(tokens):
-                # Past the last attention stage (every row's KV is written) only the sampling
-                # rows' hidden state is ever read, by the logits: the last FFN runs on those
-                # alone, as llama.cpp does (a prompt chunk's other rows are 1/L of its work)
-                if not sample_rows:
-                    break
-                hidden = hidden[torch.tensor(sample_rows, device=dev)]
+                if pruned:
+                    hidden = hidden[keep]
+            if pruned and not sample_rows:  # a prompt chunk that samples nothing: no FFN to run
+                break
             moe = self.model.is_moe_layer(layer)
             if moe:
                 self.stats.moe_batches.append(hidden.shape[0])

@@ -147,9 +147,10 @@ def test_resume_refuses_a_sequence_too_long_for_this_engine(checkpoint_factory, 
 
 @pytest.mark.parametrize("arch", ["mixtral", "llama"])
 def test_last_ffn_runs_on_the_sampling_rows_only(checkpoint_factory, arch: str) -> None:
-    """After the last attention stage only the rows that sample are read: the last FFN/MoE stage
-    gets those rows (none for a prompt chunk that samples nothing), every other stage all rows,
-    and the tokens stay transformers'."""
+    """Past the last layer's KV write only the rows that sample are read: that layer's attention
+    stage gives back those rows alone (its KV written for all), its FFN/MoE stage gets them (and
+    does not run for a prompt chunk that samples nothing), every other stage gets all rows, and
+    the tokens stay transformers'."""
     model_dir = checkpoint_factory(arch)
     prompts = list(tiny_models.mixed_prompts(model_dir, (21, 5, 9)))
     engine = Engine(model_dir, block_size=8, max_num_batched_tokens=16, enable_prefix_caching=False)
@@ -163,13 +164,24 @@ def test_last_ffn_runs_on_the_sampling_rows_only(checkpoint_factory, arch: str) 
         return ffn_stage(layer, hidden, on_route)
 
     model.ffn_stage = spy  # type: ignore[method-assign]
+    attended: list[tuple[int, int]] = []  # (layer, rows out) of each attention stage
+    attention_stage = model.attention_stage
+
+    def spy_attention(layer, hidden, batch, cache, rows=None):
+        out = attention_stage(layer, hidden, batch, cache, rows)
+        attended.append((layer, out.shape[0]))
+        return out
+
+    model.attention_stage = spy_attention  # type: ignore[method-assign]
     forwards: list[tuple[int, int, list[tuple[int, int]]]] = []  # (rows fed, rows sampling, FFN calls)
     execute = engine.executor.execute
 
     def forward(plan):
         calls.clear()
+        attended.clear()
         samplers, logits = execute(plan)
         forwards.append((plan.num_tokens, len(samplers), list(calls)))
+        assert attended == [(layer, plan.num_tokens) for layer in range(last)] + [(last, len(samplers))]
         return samplers, logits
 
     engine.executor.execute = forward  # type: ignore[method-assign]
