@@ -67,6 +67,16 @@ class TiledWeight:
 TILE_BYTES = 384 << 10
 
 
+def weight_rows_from(w: torch.Tensor | TiledWeight, start: int) -> torch.Tensor | TiledWeight | None:
+    """The output rows start.. of a weight [Nout, K] as a weight of their own, a view: `linear`
+    with it gives those columns of `linear` with w (on tiles the same floats: each output is one
+    chain over k); None where tiles cannot be cut there (start not a multiple of their lanes)."""
+    if not isinstance(w, TiledWeight):
+        return w[start:]
+    lanes = BF16_LANES if w.paired else w.lanes
+    return TiledWeight(w.tiles[start // lanes:]) if start % lanes == 0 else None
+
+
 def weight_tiles_supported(w: torch.Tensor) -> bool:
     """Whether this dense weight [Nout, K] should be tiled and run by the kernel here: fp32 on the
     CPU, Nout and K multiples of eight, at least TILE_BYTES, and the kernel built and not turned

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen_kernels import rope_kv_write_cpu
-from batchgen_kernels.tiled_linear import linear
+from batchgen_kernels.tiled_linear import linear, weight_rows_from
 
 from .cuda_decode import DecodeTables, gqa_decode, use_fused_rope, use_paged_kernel
 from .layers import rms_norm
@@ -135,6 +135,24 @@ class AttentionBatch:
         return AttentionBatch(positions=t(positions), slot_mapping=t(slots), decode_groups=groups,
                               prefills=prefills, block_size=block_size, decode_tables=tables,
                               cpu_decodes=decodes if kernel and device.type == "cpu" else None)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRows:
+    """The rows of a forward whose attention output is wanted (the last layer's, where only the
+    rows that sample are read on): `index` into the batch's rows (ascending), and `batch` the
+    same rows as single-token rows at their positions, attending their context through the
+    cache (which the stage writes for every row first)."""
+
+    index: torch.Tensor
+    batch: AttentionBatch
+
+    @staticmethod
+    def build(rows: Sequence[int], items: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
+              device: torch.device, dtype: torch.dtype | None = None) -> OutputRows:
+        """rows: batch rows; items: per row (its position, block ids)."""
+        return OutputRows(torch.tensor(rows, dtype=torch.long, device=device),
+                          AttentionBatch.build([(p, 1, b) for p, b in items], block_size, device, dtype))
 
 
 def _token_tables(decodes: list[tuple[int, int, Sequence[int]]], chunks: list[PrefillChunk], block_size: int,
@@ -292,14 +310,31 @@ def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor,
     return out
 
 
+def _qkv_for_rows(x: torch.Tensor, w: GQAWeights, rows: torch.Tensor, q_width: int) -> torch.Tensor:
+    """linear(x, w.qkv) where only `rows` need their queries: the others get their keys and
+    values alone (queries zero), the same floats where computed; every row's query where the
+    projection cannot be cut."""
+    kv_weight = weight_rows_from(w.qkv, q_width)
+    if kv_weight is None:
+        return linear(x, w.qkv, w.qkv_bias)
+    others = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    others[rows] = False
+    kv = linear(x[others], kv_weight, None if w.qkv_bias is None else w.qkv_bias[q_width:])
+    qkv = x.new_zeros(x.shape[0], q_width + kv.shape[1])
+    qkv[rows] = linear(x[rows], w.qkv, w.qkv_bias)
+    qkv[others, q_width:] = kv
+    return qkv
+
+
 def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbedding, batch: AttentionBatch,
-                  cache: torch.Tensor, eps: float, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, H] (already normed) -> attention output [T, H], or [R, H] of the R `rows` alone (their
-    output projection only: every row's K/V is still written); writes this batch's K/V into cache
-    [slots, W]."""
+                  cache: torch.Tensor, eps: float, rows: OutputRows | None = None) -> torch.Tensor:
+    """x: [T, H] (already normed) -> attention output [T, H], or [R, H] of the R `rows` alone (only
+    their queries, attention and output projection are computed); writes every row's K/V into
+    cache [slots, W]."""
     T = x.shape[0]
     hq, hk, d = a.num_heads, a.num_kv_heads, a.head_dim
-    qkv = linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2 Hk) D]
+    # [T, (Hq + 2 Hk) D]
+    qkv = linear(x, w.qkv, w.qkv_bias) if rows is None else _qkv_for_rows(x, w, rows.index, hq * d)
     tables = batch.rope_tables(rotary)
     plain = a.qk_norm == "none" and a.clip_qkv is None
     fused = plain and use_fused_rope(qkv, cache)
@@ -332,7 +367,10 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
     def paged(q_rows: torch.Tensor, kv: torch.Tensor, t: DecodeTables) -> torch.Tensor:
         return gqa_decode(q_rows, kv, t, hk, d ** -0.5, a.sliding_window)
 
+    if rows is not None:  # the kept rows attend their context in the cache, written above
+        q, batch, new_kv = q[rows.index], rows.batch, None
+        if not q.shape[0]:  # none kept: the stage only wrote the KV
+            return linear(q.reshape(0, hq * d), w.o, w.o_bias)
     out = paged_attention(q, batch, cache, expand, d ** -0.5, a.sliding_window, d, paged=paged, fresh=new_kv,
                           paged_prefill_context=paged_prefill_context(d))
-    out = out.reshape(T, hq * d)
-    return linear(out if rows is None else out[rows], w.o, w.o_bias)
+    return linear(out.reshape(q.shape[0], hq * d), w.o, w.o_bias)

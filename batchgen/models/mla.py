@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionBatch, paged_attention
+from .attention import AttentionBatch, OutputRows, paged_attention
 from .cuda_decode import DecodeTables, mla_decode
 from .layers import rms_norm
 from .rope import RotaryEmbedding
@@ -27,9 +27,11 @@ LATENT_NORM_EPS = 1e-6
 
 
 def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbedding, batch: AttentionBatch,
-                  cache: torch.Tensor, eps: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+                  cache: torch.Tensor, eps: float, rows: OutputRows | None = None) -> torch.Tensor:
     """x: [T, H] (already normed) -> [T, H], or [R, H] of the R `rows` alone (their output
-    projection only); writes the latent of this batch's tokens into cache [slots, W].
+    projection only: the prompt rows keep the expanded form transformers computes, which the
+    decode rows' absorbed form would only match within rounding); writes the latent of this
+    batch's tokens into cache [slots, W].
 
     eps is the model's rms_norm_eps, unused here: the latent norms use LATENT_NORM_EPS.
     """
@@ -76,4 +78,4 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, a: MLASpec, rotary: RotaryEmbe
 
     out = paged_attention(q, batch, cache, expand, a.softmax_scale, None, a.v_head_dim, decode, paged, new_rows)
     out = out.reshape(T, h * a.v_head_dim)
-    return F.linear(out if rows is None else out[rows], w.o, w.o_bias)
+    return F.linear(out if rows is None else out[rows.index], w.o, w.o_bias)

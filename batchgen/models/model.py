@@ -21,7 +21,7 @@ from batchgen_kernels.tiled_linear import TiledWeight, linear, tile_weight, weig
 from ..errors import ModelLoadError
 from ..offload import ExpertStore, HostExperts, StoreOptions, build_store, expert_tier_plan
 from . import hub
-from .attention import AttentionBatch, gqa_attention
+from .attention import AttentionBatch, OutputRows, gqa_attention
 from .dtype import resolve_dtype
 from .layers import mlp, rms_norm
 from .loader import load_spec, load_weights, to_device
@@ -159,10 +159,10 @@ class Model:
         return F.embedding(token_ids, self.weights.embed)
 
     def attention_stage(self, layer: int, hidden: torch.Tensor, batch: AttentionBatch,
-                        cache: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+                        cache: torch.Tensor, rows: OutputRows | None = None) -> torch.Tensor:
         """hidden: [T, H] -> [T, H], or [R, H] of the R `rows` alone (every row's KV is still
-        written; the output projection runs on those rows); cache: this layer's [slots, W]. With
-        attention on the host, the rows go to host memory, attend the KV there and come back."""
+        written); cache: this layer's [slots, W]. With attention on the host, the rows go to host
+        memory, attend the KV there and come back."""
         a = self.spec.layers[layer].attention
         fn = gqa_attention if isinstance(a, GQASpec) else mla_attention
         if self._host_attention is not None:
@@ -170,13 +170,12 @@ class Model:
             norm, weights = self._host_attention[layer]
             h = hidden.to(cache.device)
             x = rms_norm(h, norm, self.spec.rms_norm_eps)
-            kept = None if rows is None else rows.to(cache.device)
-            out = (h if kept is None else h[kept]) + fn(x, weights, a, self._host_rotary, batch, cache,  # type: ignore[arg-type]
-                                                        self.spec.rms_norm_eps, kept)
+            out = (h if rows is None else h[rows.index]) + fn(x, weights, a, self._host_rotary, batch,  # type: ignore[arg-type]
+                                                               cache, self.spec.rms_norm_eps, rows)
             return out.to(hidden.device)
         w = self.weights.layers[layer]
         x = rms_norm(hidden, w.input_norm, self.spec.rms_norm_eps)
-        return (hidden if rows is None else hidden[rows]) + fn(x, w.attention, a, self.rotary, batch, cache,  # type: ignore[arg-type]
+        return (hidden if rows is None else hidden[rows.index]) + fn(x, w.attention, a, self.rotary, batch, cache,  # type: ignore[arg-type]
                                                                 self.spec.rms_norm_eps, rows)
 
     def ffn_stage(self, layer: int, hidden: torch.Tensor,

@@ -10,7 +10,7 @@ import torch
 
 from batchgen_kernels.huge_pages import zeros_on_huge_pages
 
-from ..models.attention import AttentionBatch
+from ..models.attention import AttentionBatch, OutputRows
 from ..models.cuda_decode import use_paged_kernel
 from ..models.model import Model
 from .policy import Plan, ScheduledSeq, split_micro_batches
@@ -68,14 +68,17 @@ class Executor:
             if item.samples:
                 sample_rows.append(row - 1)
                 samplers.append(item)
+        # Past the last layer's KV write only the sampling rows' hidden state is ever read (by the
+        # logits): that layer's queries, attention, output projection and FFN run on those rows
+        # alone, as llama.cpp does (the rest of a prompt chunk's rows are about 1/L of its work)
+        keep = None
+        if len(sample_rows) < len(tokens):
+            positions = [(item.seq.num_computed + item.num_new - 1, item.seq.block_ids) for item in samplers]
+            keep = OutputRows.build(sample_rows, positions, self.block_size, self.kv_device, self.cache.dtype)
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
         routed: list[torch.Tensor] = []  # per MoE layer: topk_ids [T, A], read back once per forward
         record = routed.append
         last = self.model.num_layers - 1
-        # Past the last layer's KV write only the sampling rows' hidden state is ever read (by the
-        # logits): that layer's output projection and FFN run on those rows alone, as llama.cpp
-        # does (the rest of a prompt chunk's rows are about 1/L of its work)
-        keep = torch.tensor(sample_rows, dtype=torch.long, device=dev) if len(sample_rows) < len(tokens) else None
         for layer in range(self.model.num_layers):
             cache = self.cache[layer]
             pruned = layer == last and keep is not None
@@ -85,7 +88,7 @@ class Executor:
                 for rows, batch in batches:
                     hidden[rows] = self.model.attention_stage(layer, hidden[rows], batch, cache)
                 if pruned:
-                    hidden = hidden[keep]
+                    hidden = hidden[keep.index.to(dev)]
             if pruned and not sample_rows:  # a prompt chunk that samples nothing: no FFN to run
                 break
             moe = self.model.is_moe_layer(layer)

@@ -7,6 +7,7 @@ import pytest
 import tiny_models
 
 from batchgen import Engine, SamplingParams, StateError
+from batchgen.models import attention, mla
 from batchgen.runtime.sequence import SeqStatus
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
@@ -145,12 +146,13 @@ def test_resume_refuses_a_sequence_too_long_for_this_engine(checkpoint_factory, 
     assert out.finish_reason == "error" and "cannot resume here" in out.error and "max_model_len" in out.error
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "llama"])
-def test_last_ffn_runs_on_the_sampling_rows_only(checkpoint_factory, arch: str) -> None:
-    """Past the last layer's KV write only the rows that sample are read: that layer's attention
-    stage gives back those rows alone (its KV written for all), its FFN/MoE stage gets them (and
-    does not run for a prompt chunk that samples nothing), every other stage gets all rows, and
-    the tokens stay transformers'."""
+@pytest.mark.parametrize("arch", ["mixtral", "llama", "deepseek_v3"])
+def test_last_layer_runs_on_the_sampling_rows_only(checkpoint_factory, monkeypatch: pytest.MonkeyPatch,
+                                                    arch: str) -> None:
+    """Past the last layer's KV write only the rows that sample are read: that layer attends for
+    those rows alone and its attention stage gives back only them (its KV written for all), its
+    FFN/MoE stage gets them (and does not run for a prompt chunk that samples nothing), every
+    other stage gets all rows, and the tokens stay transformers'."""
     model_dir = checkpoint_factory(arch)
     prompts = list(tiny_models.mixed_prompts(model_dir, (21, 5, 9)))
     engine = Engine(model_dir, block_size=8, max_num_batched_tokens=16, enable_prefix_caching=False)
@@ -173,15 +175,27 @@ def test_last_ffn_runs_on_the_sampling_rows_only(checkpoint_factory, arch: str) 
         return out
 
     model.attention_stage = spy_attention  # type: ignore[method-assign]
+    queries: list[int] = []  # rows of each attention computed (the paged attention's queries)
+    paged = attention.paged_attention
+
+    def spy_paged(q, *args, **kwargs):
+        queries.append(q.shape[0])
+        return paged(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_attention", spy_paged)
+    monkeypatch.setattr(mla, "paged_attention", spy_paged)
     forwards: list[tuple[int, int, list[tuple[int, int]]]] = []  # (rows fed, rows sampling, FFN calls)
     execute = engine.executor.execute
 
     def forward(plan):
         calls.clear()
         attended.clear()
+        queries.clear()
         samplers, logits = execute(plan)
         forwards.append((plan.num_tokens, len(samplers), list(calls)))
         assert attended == [(layer, plan.num_tokens) for layer in range(last)] + [(last, len(samplers))]
+        attends = plan.num_tokens if arch == "deepseek_v3" else len(samplers)
+        assert queries == [plan.num_tokens] * last + ([attends] if attends else [])
         return samplers, logits
 
     engine.executor.execute = forward  # type: ignore[method-assign]

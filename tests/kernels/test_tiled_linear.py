@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from batchgen_kernels import KernelInputError, cpu_small_rows, expert_tiles, tiled_linear
-from batchgen_kernels.tiled_linear import TiledWeight, linear, linear_tiled_cpu, tile_weight, weight_tiles_supported
+from batchgen_kernels.tiled_linear import (
+    TiledWeight,
+    linear,
+    linear_tiled_cpu,
+    tile_weight,
+    weight_rows_from,
+    weight_tiles_supported,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_small_rows.cpu_small_rows_available(),
                                 reason="the CPU small-row kernels do not build here")
@@ -45,6 +52,28 @@ def test_tiled_linear_matches_f_linear(lanes: int, n_out: int, k: int, m: int) -
         assert got.shape == want.shape
         if m:
             assert (got - want).abs().max() <= TOL * want.abs().max()
+
+
+@pytest.mark.parametrize("lanes", LANES)
+def test_a_weights_last_output_rows_give_the_same_floats_as_the_whole(lanes: int) -> None:
+    """weight_rows_from cuts the tiles where the lanes allow (the attention's keys and values
+    without its queries) and gives those columns' floats; elsewhere it gives None."""
+    w, b = weight(96, 64, seed=5)
+    t = tile_weight(w, lanes)
+    x = torch.randn(37, 64)
+    whole = linear(x, t, b)
+    for start in range(lanes, 96, lanes):
+        cut = weight_rows_from(t, start)
+        assert isinstance(cut, TiledWeight) and cut.out_features == 96 - start
+        assert torch.equal(linear(x, cut, b[start:]), whole[:, start:])
+    assert weight_rows_from(t, lanes // 2) is None
+    plain = weight_rows_from(w, 40)
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, w[40:])
+    if expert_tiles.bf16_tiles_preferred():
+        paired = tile_weight(w.bfloat16())
+        xb = x.bfloat16()
+        assert torch.equal(linear(xb, weight_rows_from(paired, 32)), linear(xb, paired)[:, 32:])
+        assert weight_rows_from(paired, 8) is None
 
 
 @pytest.mark.parametrize("lanes", LANES)
