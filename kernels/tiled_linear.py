@@ -67,12 +67,14 @@ class TiledWeight:
 TILE_BYTES = 384 << 10
 
 
-def weight_rows_from(w: torch.Tensor | TiledWeight, start: int) -> torch.Tensor | TiledWeight | None:
-    """The output rows start.. of a weight [Nout, K] as a weight of their own, a view: `linear`
-    with it gives those columns of `linear` with w (on tiles the same floats: each output is one
-    chain over k); None where tiles cannot be cut there (start not a multiple of their lanes)."""
+def weight_rows_from(w: torch.Tensor | TiledWeight, start: int) -> TiledWeight | None:
+    """The output rows start.. of a tiled weight [Nout, K] as a weight of their own, a view:
+    `linear` with it gives those columns of `linear` with w, the same floats (each output is one
+    chain over k). None for a plain weight (a narrower product may take another torch or kernel
+    path, whose sums differ in rounding) and where the tiles cannot be cut there (start not a
+    multiple of their lanes)."""
     if not isinstance(w, TiledWeight):
-        return w[start:]
+        return None
     lanes = BF16_LANES if w.paired else w.lanes
     return TiledWeight(w.tiles[start // lanes:]) if start % lanes == 0 else None
 

@@ -139,19 +139,22 @@ class AttentionBatch:
 
 @dataclass(frozen=True, slots=True)
 class OutputRows:
-    """The rows of a forward whose attention output is wanted (the last layer's, where only the
-    rows that sample are read on): `index` into the batch's rows (ascending), and `batch` the
-    same rows as single-token rows at their positions, attending their context through the
-    cache (which the stage writes for every row first)."""
+    """The rows of an attention batch whose attention output is wanted (the last layer's, where
+    only the rows that sample are read on): `index` into the batch's rows (ascending), `others`
+    the rest, and `batch` the wanted rows as single-token rows at their positions, attending their
+    context through the cache (which the stage writes for every row first)."""
 
     index: torch.Tensor
+    others: torch.Tensor
     batch: AttentionBatch
 
     @staticmethod
-    def build(rows: Sequence[int], items: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
+    def build(rows: Sequence[int], num_rows: int, items: Sequence[tuple[int, Sequence[int]]], block_size: int,
               device: torch.device, dtype: torch.dtype | None = None) -> OutputRows:
-        """rows: batch rows; items: per row (its position, block ids)."""
+        """rows: of the batch's num_rows rows; items: per wanted row (its position, block ids)."""
+        wanted = set(rows)
         return OutputRows(torch.tensor(rows, dtype=torch.long, device=device),
+                          torch.tensor([r for r in range(num_rows) if r not in wanted], dtype=torch.long, device=device),
                           AttentionBatch.build([(p, 1, b) for p, b in items], block_size, device, dtype))
 
 
@@ -310,19 +313,17 @@ def paged_attention(q: torch.Tensor, batch: AttentionBatch, cache: torch.Tensor,
     return out
 
 
-def _qkv_for_rows(x: torch.Tensor, w: GQAWeights, rows: torch.Tensor, q_width: int) -> torch.Tensor:
+def _qkv_for_rows(x: torch.Tensor, w: GQAWeights, rows: OutputRows, q_width: int) -> torch.Tensor:
     """linear(x, w.qkv) where only `rows` need their queries: the others get their keys and
     values alone (queries zero), the same floats where computed; every row's query where the
-    projection cannot be cut."""
+    projection is not cut (a plain weight, or tiles that cannot be cut there)."""
     kv_weight = weight_rows_from(w.qkv, q_width)
     if kv_weight is None:
         return linear(x, w.qkv, w.qkv_bias)
-    others = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
-    others[rows] = False
-    kv = linear(x[others], kv_weight, None if w.qkv_bias is None else w.qkv_bias[q_width:])
+    kv = linear(x[rows.others], kv_weight, None if w.qkv_bias is None else w.qkv_bias[q_width:])
     qkv = x.new_zeros(x.shape[0], q_width + kv.shape[1])
-    qkv[rows] = linear(x[rows], w.qkv, w.qkv_bias)
-    qkv[others, q_width:] = kv
+    qkv[rows.index] = linear(x[rows.index], w.qkv, w.qkv_bias)
+    qkv[rows.others, q_width:] = kv
     return qkv
 
 
@@ -334,7 +335,7 @@ def gqa_attention(x: torch.Tensor, w: GQAWeights, a: GQASpec, rotary: RotaryEmbe
     T = x.shape[0]
     hq, hk, d = a.num_heads, a.num_kv_heads, a.head_dim
     # [T, (Hq + 2 Hk) D]
-    qkv = linear(x, w.qkv, w.qkv_bias) if rows is None else _qkv_for_rows(x, w, rows.index, hq * d)
+    qkv = linear(x, w.qkv, w.qkv_bias) if rows is None else _qkv_for_rows(x, w, rows, hq * d)
     tables = batch.rope_tables(rotary)
     plain = a.qk_norm == "none" and a.clip_qkv is None
     fused = plain and use_fused_rope(qkv, cache)

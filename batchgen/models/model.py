@@ -178,14 +178,17 @@ class Model:
         return (hidden if rows is None else hidden[rows.index]) + fn(x, w.attention, a, self.rotary, batch, cache,  # type: ignore[arg-type]
                                                                 self.spec.rms_norm_eps, rows)
 
-    def ffn_stage(self, layer: int, hidden: torch.Tensor,
-                  on_route: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """hidden: [T, H] -> [T, H]; rows are independent, so any tokens may be combined here."""
+    def ffn_stage(self, layer: int, hidden: torch.Tensor, on_route: Callable[[torch.Tensor], None] | None = None,
+                  next_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [T, H] -> [T, H]; rows are independent, so any tokens may be combined here.
+        next_rows: the rows the next MoE stage will run (None: all), from which an expert store
+        guesses the experts to fetch for it."""
         w, spec = self.weights.layers[layer], self.spec.layers[layer].ffn
         x = rms_norm(hidden, w.post_norm, self.spec.rms_norm_eps)
         if isinstance(spec, MoESpec):
             cache = self.experts
-            fetch = (lambda ids: cache.fetch_parts(layer, x, ids)) if cache is not None else None
+            ahead = x if next_rows is None else x[next_rows]
+            fetch = (lambda ids: cache.fetch_parts(layer, ahead, ids)) if cache is not None else None
             return hidden + moe(x, w.ffn, spec, on_route, fetch)  # type: ignore[arg-type]
         assert isinstance(w.ffn, MLPWeights)
         return hidden + mlp(x, w.ffn)

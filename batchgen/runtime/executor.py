@@ -69,32 +69,47 @@ class Executor:
                 sample_rows.append(row - 1)
                 samplers.append(item)
         # Past the last layer's KV write only the sampling rows' hidden state is ever read (by the
-        # logits): that layer's queries, attention, output projection and FFN run on those rows
-        # alone, as llama.cpp does (the rest of a prompt chunk's rows are about 1/L of its work)
-        keep = None
+        # logits): that layer's attention, output projection and FFN (and its queries, where the
+        # projection is in tiles) run on those rows alone; llama.cpp cuts its residual and FFN
+        # the same way. The rest of a prompt chunk's rows are about 1/L of its work. One
+        # OutputRows per attention batch, in its rows.
+        keeps: list[OutputRows] | None = None
         if len(sample_rows) < len(tokens):
-            positions = [(item.seq.num_computed + item.num_new - 1, item.seq.block_ids) for item in samplers]
-            keep = OutputRows.build(sample_rows, positions, self.block_size, self.kv_device, self.cache.dtype)
+            at = {r: item for r, item in zip(sample_rows, samplers)}
+            keeps = []
+            for rows, _ in batches:
+                kept = [r for r in range(rows.start, rows.stop) if r in at]
+                positions = [(at[r].seq.num_computed + at[r].num_new - 1, at[r].seq.block_ids) for r in kept]
+                keeps.append(OutputRows.build([r - rows.start for r in kept], rows.stop - rows.start, positions,
+                                              self.block_size, self.kv_device, self.cache.dtype))
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
         routed: list[torch.Tensor] = []  # per MoE layer: topk_ids [T, A], read back once per forward
         record = routed.append
         last = self.model.num_layers - 1
+        # the MoE layer whose next MoE stage is the last layer's (-1: none)
+        before_last = max((i for i in range(last) if self.model.is_moe_layer(i)), default=-1) \
+            if self.model.is_moe_layer(last) else -1
         for layer in range(self.model.num_layers):
             cache = self.cache[layer]
-            pruned = layer == last and keep is not None
-            if len(batches) == 1:  # one attention batch: no slice to write back into (a [T, H] copy)
-                hidden = self.model.attention_stage(layer, hidden, batches[0][1], cache, keep if pruned else None)
+            if layer == last and keeps is not None:  # [sampling rows, H], in row order
+                parts = [self.model.attention_stage(layer, hidden[rows] if len(batches) > 1 else hidden, batch, cache,
+                                                    keep) for (rows, batch), keep in zip(batches, keeps)]
+                hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+                if not sample_rows:  # a prompt chunk that samples nothing: no FFN to run
+                    break
+            elif len(batches) == 1:  # one attention batch: no slice to write back into (a [T, H] copy)
+                hidden = self.model.attention_stage(layer, hidden, batches[0][1], cache)
             else:
                 for rows, batch in batches:
                     hidden[rows] = self.model.attention_stage(layer, hidden[rows], batch, cache)
-                if pruned:
-                    hidden = hidden[keep.index.to(dev)]
-            if pruned and not sample_rows:  # a prompt chunk that samples nothing: no FFN to run
-                break
             moe = self.model.is_moe_layer(layer)
             if moe:
                 self.stats.moe_batches.append(hidden.shape[0])
-            hidden = self.model.ffn_stage(layer, hidden, record if moe else None)
+            # the expert store guesses the next MoE stage's experts from these rows' routing: the
+            # last layer's stage runs the sampling rows only
+            ahead = torch.tensor(sample_rows, dtype=torch.long, device=dev) \
+                if keeps is not None and layer == before_last else None
+            hidden = self.model.ffn_stage(layer, hidden, record if moe else None, ahead)
         if routed:
             counts = torch.cat([torch.bincount(ids.flatten()) for ids in routed]).tolist()
             self.stats.expert_call_tokens.extend(c for c in counts if c > 0)

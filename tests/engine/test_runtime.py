@@ -9,6 +9,8 @@ import tiny_models
 from batchgen import Engine, SamplingParams, StateError
 from batchgen.models import attention, mla
 from batchgen.runtime.sequence import SeqStatus
+from batchgen_kernels import tiled_linear
+from batchgen_kernels.tiled_linear import TiledWeight
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=14, temperature=0.8, top_k=50, seed=1234, ignore_eos=True)
@@ -72,13 +74,19 @@ def test_moe_batches_are_larger_than_attention_micro_batches(checkpoint_factory,
     model_dir = checkpoint_factory("mixtral")
     prompts = [p for p in tiny_models.mixed_prompts(model_dir, (5, 9, 13, 2, 7, 11, 3, 6) * 2)]
     engine = Engine(model_dir, block_size=8, attention_kv_tokens=48)
+    model = engine.executor.model
+    first: list[int] = []  # the first layer's MoE batch in each forward (the last layer's may be
+    ffn_stage = model.ffn_stage  # the sampling rows alone)
+
+    def spy(layer, hidden, *args):
+        if layer == 0:
+            first.append(hidden.shape[0])
+        return ffn_stage(layer, hidden, *args)
+
+    model.ffn_stage = spy  # type: ignore[method-assign]
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     summary = engine.stats_summary()
-    # the first layer's MoE stage of each forward (every layer is MoE here; the last one's may
-    # run the sampling rows alone)
-    layers = engine.executor.model.num_layers
-    first = list(engine.stats.moe_batches)[::layers]
-    assert len(first) == summary["forwards"]
+    assert model.is_moe_layer(0) and len(first) == summary["forwards"]
     assert sum(first) / len(first) >= 4 * summary["attention_batch_mean"], summary
     assert summary["tokens_per_expert_call_mean"] > 0
     for p, out in zip(prompts, outs):
@@ -146,64 +154,91 @@ def test_resume_refuses_a_sequence_too_long_for_this_engine(checkpoint_factory, 
     assert out.finish_reason == "error" and "cannot resume here" in out.error and "max_model_len" in out.error
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "llama", "deepseek_v3"])
-def test_last_layer_runs_on_the_sampling_rows_only(checkpoint_factory, monkeypatch: pytest.MonkeyPatch,
-                                                    arch: str) -> None:
-    """Past the last layer's KV write only the rows that sample are read: that layer attends for
-    those rows alone and its attention stage gives back only them (its KV written for all), its
-    FFN/MoE stage gets them (and does not run for a prompt chunk that samples nothing), every
-    other stage gets all rows, and the tokens stay transformers'."""
+LAST_LAYER_CASES = [("mixtral", False, None), ("llama", True, None), ("mixtral", True, 24), ("deepseek_v3", False, None)]
+
+
+@pytest.mark.parametrize(("arch", "tiles", "kv_tokens"), LAST_LAYER_CASES,
+                         ids=[f"{a}{'-tiles' if t else ''}{f'-micro{k}' if k else ''}" for a, t, k in LAST_LAYER_CASES])
+def test_last_layer_runs_on_the_sampling_rows_only(checkpoint_factory, monkeypatch: pytest.MonkeyPatch, arch: str,
+                                                    tiles: bool, kv_tokens: int | None) -> None:
+    """Past the last layer's KV write only the rows that sample are read: that layer projects
+    keys and values alone for the others (dense weights in tiles: the projection is cut), attends
+    for the sampling rows alone and gives back only them, its FFN/MoE stage gets them (and does
+    not run for a prompt chunk that samples nothing), every other stage gets all rows; the
+    sampled logits are transformers' and so are the tokens. Latent attention attends every row.
+    A prompt of 150 tokens has chunks past the paged kernel's context; attention micro-batches of
+    24 KV tokens split the forwards."""
+    if tiles:  # the tiny models' projections are below TILE_BYTES: tile them anyway
+        monkeypatch.setattr(tiled_linear, "TILE_BYTES", 0)
     model_dir = checkpoint_factory(arch)
-    prompts = list(tiny_models.mixed_prompts(model_dir, (21, 5, 9)))
-    engine = Engine(model_dir, block_size=8, max_num_batched_tokens=16, enable_prefix_caching=False)
+    prompts = list(tiny_models.mixed_prompts(model_dir, (21, 5, 9, 150)))
+    engine = Engine(model_dir, block_size=8, max_num_batched_tokens=16, enable_prefix_caching=False,
+                    attention_kv_tokens=kv_tokens)
     model = engine.executor.model
     last = model.num_layers - 1
-    calls: list[tuple[int, int]] = []
-    ffn_stage = model.ffn_stage
+    a = model.spec.layers[last].attention
+    kv_width = 2 * getattr(a, "num_kv_heads", 0) * getattr(a, "head_dim", 0)
+    if tiles:
+        assert isinstance(model.weights.layers[last].attention.qkv, TiledWeight)
+    calls: list[tuple[int, int]] = []  # (layer, rows) of each FFN stage
+    attended: list[tuple[int, int]] = []  # (layer, rows out) of each attention stage (micro-batch)
+    queries: list[int] = []  # rows of each attention computed (the paged attention's queries)
+    projected: list[tuple[int, int]] = []  # (rows, outputs) of each key-and-value-only projection
+    ffn_stage, attention_stage, paged, linear = (model.ffn_stage, model.attention_stage, attention.paged_attention,
+                                                 attention.linear)
 
-    def spy(layer, hidden, on_route=None):
+    def spy_ffn(layer, hidden, on_route=None, next_rows=None):
         calls.append((layer, hidden.shape[0]))
-        return ffn_stage(layer, hidden, on_route)
-
-    model.ffn_stage = spy  # type: ignore[method-assign]
-    attended: list[tuple[int, int]] = []  # (layer, rows out) of each attention stage
-    attention_stage = model.attention_stage
+        return ffn_stage(layer, hidden, on_route, next_rows)
 
     def spy_attention(layer, hidden, batch, cache, rows=None):
         out = attention_stage(layer, hidden, batch, cache, rows)
         attended.append((layer, out.shape[0]))
         return out
 
-    model.attention_stage = spy_attention  # type: ignore[method-assign]
-    queries: list[int] = []  # rows of each attention computed (the paged attention's queries)
-    paged = attention.paged_attention
-
     def spy_paged(q, *args, **kwargs):
         queries.append(q.shape[0])
         return paged(q, *args, **kwargs)
 
+    qkv = getattr(model.weights.layers[last].attention, "qkv", None)
+
+    def spy_linear(x, w, bias=None):  # a cut of the last layer's q/k/v tiles: keys and values alone
+        if (isinstance(w, TiledWeight) and isinstance(qkv, TiledWeight) and w.tiles is not qkv.tiles
+                and w.tiles.untyped_storage().data_ptr() == qkv.tiles.untyped_storage().data_ptr()):
+            projected.append((x.shape[0], w.out_features))
+        return linear(x, w, bias)
+
+    model.ffn_stage = spy_ffn  # type: ignore[method-assign]
+    model.attention_stage = spy_attention  # type: ignore[method-assign]
     monkeypatch.setattr(attention, "paged_attention", spy_paged)
     monkeypatch.setattr(mla, "paged_attention", spy_paged)
-    forwards: list[tuple[int, int, list[tuple[int, int]]]] = []  # (rows fed, rows sampling, FFN calls)
+    monkeypatch.setattr(attention, "linear", spy_linear)
+    reference = {tuple(p): tiny_models.reference_logits(model_dir, p)[-1] for p in prompts}
+    forwards: list[tuple[int, int]] = []  # (rows fed, rows sampling)
     execute = engine.executor.execute
 
     def forward(plan):
-        calls.clear()
-        attended.clear()
-        queries.clear()
+        for log in (calls, attended, queries, projected):
+            log.clear()
         samplers, logits = execute(plan)
-        forwards.append((plan.num_tokens, len(samplers), list(calls)))
-        assert attended == [(layer, plan.num_tokens) for layer in range(last)] + [(last, len(samplers))]
-        attends = plan.num_tokens if arch == "deepseek_v3" else len(samplers)
-        assert queries == [plan.num_tokens] * last + ([attends] if attends else [])
+        rows, sampling = plan.num_tokens, len(samplers)
+        forwards.append((rows, sampling))
+        assert calls == [(layer, rows) for layer in range(last)] + ([(last, sampling)] if sampling else [])
+        assert [n for layer, n in attended if layer < last] and sum(n for layer, n in attended if layer == last) == sampling
+        assert sum(n for layer, n in attended if layer < last) == rows * last
+        attends = rows if arch == "deepseek_v3" else sampling
+        assert sum(queries) == rows * last + attends
+        assert sum(n for n, _ in projected) == (rows - sampling if tiles else 0)  # (one call per micro-batch)
+        assert all(width == kv_width for _, width in projected) and bool(projected) == (tiles and sampling < rows)
+        for item, row in zip(samplers, logits):  # a prompt's first token: transformers' logits
+            if not item.seq.output_ids:
+                want = reference[tuple(item.seq.prompt_ids)]
+                assert (row - want).abs().max() <= 1e-4 * want.abs().max()
         return samplers, logits
 
     engine.executor.execute = forward  # type: ignore[method-assign]
     outs = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     for p, out in zip(prompts, outs):
         assert out.token_ids == tiny_models.reference_generate(model_dir, p, 4, ignore_eos=True)
-    assert forwards[0] == (16, 0, [(layer, 16) for layer in range(last)])  # 16 of the first prompt's 21 rows
-    for rows, sampling, ffn in forwards:
-        expected = [(layer, rows) for layer in range(last)] + ([(last, sampling)] if sampling else [])
-        assert ffn == expected
-    assert any(sampling and sampling < rows for rows, sampling, _ in forwards)
+    assert forwards[0] == (16, 0)  # 16 of the first prompt's 21 rows
+    assert any(0 < sampling < rows for rows, sampling in forwards)

@@ -163,8 +163,9 @@ def routes_to(model_dir: Path, prompt: list[int], layer: int, expert: int) -> bo
     seen: list[torch.Tensor] = []
     stage = engine.model.ffn_stage
 
-    def spy(i: int, hidden: torch.Tensor, on_route=None) -> torch.Tensor:
-        return stage(i, hidden, (lambda ids: (seen.append(ids), on_route(ids))) if i == layer and on_route else on_route)
+    def spy(i: int, hidden: torch.Tensor, on_route=None, next_rows=None) -> torch.Tensor:
+        return stage(i, hidden, (lambda ids: (seen.append(ids), on_route(ids))) if i == layer and on_route else on_route,
+                     next_rows)
 
     engine.model.ffn_stage = spy  # type: ignore[method-assign]
     engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
@@ -324,3 +325,32 @@ def test_a_closed_engine_says_so_instead_of_reading_closed_files(resident_runs, 
     engine.close()
     with pytest.raises(RuntimeError, match="this engine was closed"):
         engine.generate(prompt_ids[:1], GREEDY)
+
+
+def test_the_router_guesses_the_last_layers_experts_from_its_rows(resident_runs, prompt_ids) -> None:
+    """The last layer's expert stage runs the sampling rows alone, so the router predictor
+    guesses its experts from those rows (at most one a prompt, none for a prompt chunk that
+    samples nothing), not from every prompt row."""
+    model_dir, one_layer, expected = resident_runs["olmoe"]
+    prompts = prompt_ids[:6]
+    for budget in (2048, 8):  # every prompt in one forward; prompts in chunks of 8 tokens
+        engine = Engine(model_dir, kv_cache_bytes=KV, expert_host_memory_bytes=one_layer * 2,
+                        expert_prefetch="router", max_num_batched_tokens=budget)
+        store, last = engine.model.experts, engine.model.num_layers - 1
+        assert store is not None and engine.model.is_moe_layer(last)
+        guessed: list[int] = []  # rows each guess for the last layer was made from
+        predict = store.router_predict
+
+        def spy(layer: int, x: torch.Tensor, last: int = last, guessed: list[int] = guessed,
+                predict=predict) -> list[int]:
+            if layer == last:
+                guessed.append(x.shape[0])
+            return predict(layer, x)
+
+        store.router_predict = spy
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+        assert guessed and max(guessed) <= len(prompts) < sum(map(len, prompts))
+        if budget == 2048:
+            assert guessed[0] == len(prompts)  # the prompts' forward
+        else:
+            assert 0 in guessed  # a chunk that samples nothing: nothing to guess from
