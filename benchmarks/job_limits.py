@@ -6,8 +6,8 @@ FLOPs per token: the attention projections, the router, top_k experts and (for g
 the LM head, 2 FLOPs a multiply-add, plus the attention's score and value products over the
 context. The last layer's router and experts count only for the rows that sample (a prompt's last
 token and each decode row): nothing reads the other rows' output of that layer, and an engine
-need not compute it (batchgen and llama.cpp do not; vLLM does, so its share counts only the work
-the job needs).
+need not compute it (batchgen and llama.cpp do not; vLLM does, uncounted). That layer's
+projections and attention still count for every row (batchgen skips most of them too).
 """
 from __future__ import annotations
 
