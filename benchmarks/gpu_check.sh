@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU path, checked in one go on a CUDA machine (< 8 minutes): install, CUDA-marked tests,
 # kernel tests compiled (not interpreted), parity of fp32 and bf16 against transformers on the
-# test checkpoints, bench_engine's workload at a size that fills the GPU, and (on 2+ GPUs) a
-# 2-worker dask-cuda job whose workers must each have used their own device; one summary at the end.
+# test checkpoints, bench_engine's workload at a size that fills the GPU, (on 2+ GPUs) a 2-worker
+# dask-cuda job whose workers must each have used their own device, and (where a python with vLLM's
+# CUDA build is at hand) batchgen against vLLM on one model; one summary at the end.
 #
 #   bash benchmarks/gpu_check.sh            # from anywhere; PYTHON=/path/to/python to pick one
 #
-# Each step has its own time limit (the sum stays under ~9.5 minutes) and its log under $LOGS
+# Each step has its own time limit (the sum stays under ~9.5 minutes, ~12 with the vLLM step) and its log under $LOGS
 # (default: a temp dir); a failed step does not stop the others. Exit status: 0 when every
 # step passed. Installing needs a package index; without one (an offline box with torch
 # already there) the repo is used from its source tree instead.
@@ -110,6 +111,18 @@ else
   SUMMARY+=("SKIP  dask-cuda (needs 2 GPUs, this machine shows $NGPU)")
 fi
 
+# -- 6. against vLLM's CUDA build on the same model and requests (bench_vllm.py --device cuda) -------
+# vLLM pins its own torch, so it lives in a virtualenv of its own: VLLM_PYTHON names a python that
+# imports it, else bench_vllm's default one, if a run with a package index made it; none: skipped
+# (this script installs nothing that large on its own).
+VLLM_PY=${VLLM_PYTHON:-$ROOT/benchmarks/.venvs/vllm-cuda/bin/python}
+if [ -x "$VLLM_PY" ] && "$VLLM_PY" -c 'import vllm' 2>/dev/null; then
+  step vllm 150 "$PY" benchmarks/bench_vllm.py --device cuda --model compute --dtype bfloat16 --pairs 2 \
+      --vllm-python "$VLLM_PY"
+else
+  SUMMARY+=("SKIP  vllm (no python with vLLM's CUDA build: set VLLM_PYTHON, or run benchmarks/bench_vllm.py --device cuda once with a package index)")
+fi
+
 # -- summary --------------------------------------------------------------------------------------
 echo
 echo "batchgen GPU check: $(cat "$LOGS/gpu.txt" 2>/dev/null | head -1), $(( $(date +%s) - START ))s, logs in $LOGS"
@@ -119,4 +132,5 @@ for name in cuda-tests kernel-tests-compiled; do
 done
 [ -f "$LOGS/parity.log" ] && grep -h '^PARITY\|"arch"' "$LOGS/parity.log" | sed 's/^/  /'
 [ -f "$LOGS/bench.log" ] && grep -v '^BENCH' "$LOGS/bench.log" | grep -E 'tok/s|rows' | sed 's/^/  /'
+[ -f "$LOGS/vllm.log" ] && grep -E 'tok/s|per pair|tokens:|model on' "$LOGS/vllm.log" | sed 's/^/  /'
 exit $FAILED
