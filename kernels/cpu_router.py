@@ -35,6 +35,14 @@ def route_reference(x: torch.Tensor, router_w: torch.Tensor, top_k: int, sigmoid
     logits = torch.nn.functional.linear(x.float(), router_w.float())
     scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
     choice = scores + correction_bias if correction_bias is not None else scores
+    return top_k_weights(scores, choice, top_k, normalize, scale, renorm_eps)
+
+
+def top_k_weights(scores: torch.Tensor, choice: torch.Tensor, top_k: int, normalize: bool = False,
+                  scale: float = 1.0, renorm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's last steps in torch: the top_k experts by `choice` [T, E] (the scores, plus a
+    bias or with dropped groups masked), their `scores` as weights, renormalized and scaled ->
+    (weights [T, A], ids [T, A])."""
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if normalize:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from batchgen_kernels import fused_moe, fused_moe_grouped, fused_moe_grouped_into, triton_available
 from batchgen_kernels.cpu_router import route as route_top_k
+from batchgen_kernels.cpu_router import top_k_weights
 from batchgen_kernels.expert_tiles import moe_tiled_cpu
 
 from .layers import mlp
@@ -43,13 +44,7 @@ def route(x: torch.Tensor, router_w: torch.Tensor, r: RouterSpec,
     keep = keep.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
     # deepseek_v2 zeroes the dropped groups' softmax scores; v3 (sigmoid + bias) sets them to -inf
     choice = choice.masked_fill(~keep, float("-inf") if r.group_score == "top2sum" else 0.0)
-    ids = choice.topk(r.top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if r.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)
-    if r.routed_scaling_factor != 1.0:
-        weights = weights * r.routed_scaling_factor
-    return weights, ids
+    return top_k_weights(scores, choice, r.top_k, r.norm_topk_prob, r.routed_scaling_factor, renorm_eps)
 
 
 # topk_ids -> parts (w13, w2, ids remapped to pool slots, -1 for experts not in this part)
