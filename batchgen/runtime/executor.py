@@ -6,6 +6,8 @@ so each expert GEMM sees the whole forward's tokens.
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from batchgen_kernels.huge_pages import zeros_on_huge_pages
@@ -75,13 +77,14 @@ class Executor:
         # OutputRows per attention batch, in its rows.
         keeps: list[OutputRows] | None = None
         if len(sample_rows) < len(tokens):
-            at = {r: item for r, item in zip(sample_rows, samplers)}
-            keeps = []
-            for rows, _ in batches:
-                kept = [r for r in range(rows.start, rows.stop) if r in at]
-                positions = [(at[r].seq.num_computed + at[r].num_new - 1, at[r].seq.block_ids) for r in kept]
-                keeps.append(OutputRows.build([r - rows.start for r in kept], rows.stop - rows.start, positions,
+            keeps, first = [], 0
+            for rows, _ in batches:  # (sample_rows ascending: each batch's are a run of them)
+                end = bisect.bisect_left(sample_rows, rows.stop, first)
+                kept = [(sample_rows[k] - rows.start, samplers[k]) for k in range(first, end)]
+                keeps.append(OutputRows.build([r for r, _ in kept], rows.stop - rows.start,
+                                              [(i.seq.num_computed + i.num_new - 1, i.seq.block_ids) for _, i in kept],
                                               self.block_size, self.kv_device, self.cache.dtype))
+                first = end
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=dev))
         routed: list[torch.Tensor] = []  # per MoE layer: topk_ids [T, A], read back once per forward
         record = routed.append
