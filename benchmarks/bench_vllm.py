@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -291,7 +292,6 @@ def main() -> None:
         tokens = sum(lengths) + sum(map(len, prompts))
         job_flops = flops(config, prompts, lengths)
         run_batchgen(model_dir, prompts[:8], [4] * min(8, len(prompts)), dtype=args.dtype)  # warm-up: kernels compiled, pages touched
-        sides = ["vllm", "batchgen"]
         sweep: dict[int, float] = {}
         if args.llamacpp_converter is not None:
             gguf = convert(model_dir, args.llamacpp_converter, Path(tmp) / f"{args.model}-{outtype}.gguf", outtype)
@@ -299,29 +299,17 @@ def main() -> None:
                 sweep[slots], _ = run_llamacpp(gguf, prompts, lengths, slots, args.threads, args.llamacpp_n_batch)
                 print(f"  llama.cpp, {slots} slots: {sweep[slots]:7.2f} s", file=sys.stderr)
             best_slots = min(sweep, key=sweep.__getitem__)
-            sides.append("llama.cpp")
-        t_vllm: list[float] = []
-        t_bg: list[float] = []
-        t_lc: list[float] = []
-        for i in range(args.pairs):
-            for side in sides[i % len(sides):] + sides[:i % len(sides)]:
-                if side == "vllm":
-                    seconds, out_vllm = run_vllm(python, model_dir, prompts, lengths, args.threads, Path(tmp),
-                                                 args.dtype)
-                    t_vllm.append(seconds)
-                elif side == "batchgen":
-                    seconds, _, out_bg = run_batchgen(model_dir, prompts, lengths, dtype=args.dtype)
-                    t_bg.append(seconds)
-                else:
-                    seconds, out_lc = run_llamacpp(gguf, prompts, lengths, best_slots, args.threads,
-                                                   args.llamacpp_n_batch)
-                    t_lc.append(seconds)
-                print(f"  pair {i} {side:9s} {seconds:7.2f} s", file=sys.stderr)
+        runs: dict[str, Run] = {
+            "vllm": lambda: run_vllm(python, model_dir, prompts, lengths, args.threads, Path(tmp), args.dtype),
+            "batchgen": lambda: _without_stats(run_batchgen(model_dir, prompts, lengths, dtype=args.dtype))}
+        if args.llamacpp_converter is not None:
+            runs["llama.cpp"] = lambda: run_llamacpp(gguf, prompts, lengths, best_slots, args.threads,
+                                                     args.llamacpp_n_batch)
+        times, outs = alternate(runs, args.pairs)
+        t_vllm, t_bg, t_lc = times["vllm"], times["batchgen"], times.get("llama.cpp", [])
+        out_vllm, out_bg, out_lc = outs["vllm"], outs["batchgen"], outs.get("llama.cpp", [])
         k = min(args.check_rows, args.rows)
-        from tiny_models import reference_generate
-
-        same_hf = sum(reference_generate(model_dir, prompts[r], lengths[r], ignore_eos=True, dtype=dtype) == out_bg[r]
-                      for r in range(k))
+        same_hf = same_as_transformers(model_dir, prompts, lengths, out_bg, k, dtype)
         stages = breakdown(model_dir, prompts, lengths, args.dtype) if args.breakdown else []
     ratios = [v / b for v, b in zip(t_vllm, t_bg)]
     gen = sum(lengths)
@@ -367,6 +355,36 @@ def main() -> None:
         raise SystemExit("batchgen's greedy tokens differ from transformers'")
 
 
+Run = Callable[[], tuple[float, list[list[int]]]]  # one timed run of a side -> (seconds, tokens per row)
+
+
+def _without_stats(done: tuple[float, dict[str, float], list[list[int]]]) -> tuple[float, list[list[int]]]:
+    return done[0], done[2]
+
+
+def alternate(runs: dict[str, Run], pairs: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Each side run `pairs` times, the sides in rotating order (pair i starts at side i mod n) ->
+    (seconds per side, the last run's tokens per side)."""
+    sides = list(runs)
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    tokens: dict[str, list[list[int]]] = {}
+    for i in range(pairs):
+        for side in sides[i % len(sides):] + sides[:i % len(sides)]:
+            seconds, tokens[side] = runs[side]()
+            times[side].append(seconds)
+            print(f"  pair {i} {side:9s} {seconds:7.2f} s", file=sys.stderr)
+    return times, tokens
+
+
+def same_as_transformers(model_dir: Path, prompts: list[list[int]], lengths: list[int], tokens: list[list[int]],
+                         rows: int, dtype: torch.dtype) -> int:
+    """How many of the first `rows` rows' tokens equal transformers' greedy ones."""
+    from tiny_models import reference_generate
+
+    return sum(reference_generate(model_dir, prompts[r], lengths[r], ignore_eos=True, dtype=dtype) == tokens[r]
+               for r in range(rows))
+
+
 def gpu_main(args: argparse.Namespace) -> None:
     """--device cuda: both engines on the GPU, in turns (vLLM in its own process, batchgen here,
     each within CUDA_MEMORY_SHARE of the device's memory), alternated over --pairs."""
@@ -380,24 +398,17 @@ def gpu_main(args: argparse.Namespace) -> None:
         prompts, lengths = workload(args.rows, config["vocab_size"], args.seed)
         run_batchgen(model_dir, prompts[:8], [4] * min(8, len(prompts)), **options)  # warm-up
         torch.cuda.empty_cache()
-        t_vllm: list[float] = []
-        t_bg: list[float] = []
-        for i in range(args.pairs):
-            for side in ("vllm", "batchgen") if i % 2 == 0 else ("batchgen", "vllm"):
-                if side == "vllm":
-                    seconds, out_vllm = run_vllm(python, model_dir, prompts, lengths, args.threads, Path(tmp),
-                                                 args.dtype, cuda=True)
-                    t_vllm.append(seconds)
-                else:
-                    seconds, _, out_bg = run_batchgen(model_dir, prompts, lengths, **options)
-                    torch.cuda.empty_cache()  # the allocator's cache back to the device for vLLM's turn
-                    t_bg.append(seconds)
-                print(f"  pair {i} {side:9s} {seconds:7.2f} s", file=sys.stderr)
-        k = min(args.check_rows, args.rows)
-        from tiny_models import reference_generate
+        def batchgen() -> tuple[float, list[list[int]]]:
+            done = _without_stats(run_batchgen(model_dir, prompts, lengths, **options))
+            torch.cuda.empty_cache()  # the allocator's cache back to the device for vLLM's turn
+            return done
 
-        same_hf = sum(reference_generate(model_dir, prompts[r], lengths[r], ignore_eos=True, dtype=dtype) == out_bg[r]
-                      for r in range(k))
+        times, outs = alternate({"vllm": lambda: run_vllm(python, model_dir, prompts, lengths, args.threads,
+                                                           Path(tmp), args.dtype, cuda=True),
+                                 "batchgen": batchgen}, args.pairs)
+        t_vllm, t_bg, out_vllm, out_bg = times["vllm"], times["batchgen"], outs["vllm"], outs["batchgen"]
+        k = min(args.check_rows, args.rows)
+        same_hf = same_as_transformers(model_dir, prompts, lengths, out_bg, k, dtype)
     gen = sum(lengths)
     print(f"{args.model} model on {torch.cuda.get_device_name()}, {args.dtype}; {args.rows} rows, {gen} generated "
           f"tokens; {args.pairs} alternating pairs")
